@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing. torch is pinned to the CPU wheel here unless
+# the venv already has a torch (GPU users: install your own build first, e.g.
+# `python3 -m venv .venv && .venv/bin/pip install torch` for CUDA).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.ppsync-installed
+
+.PHONY: venv test lint typecheck pytest demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH)'
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ppsync tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/ppsync launch --pp-size 3 --steps 3000 --spec 2 --max-num-reqs 32
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,107 @@
+"""The batch view of one step: what every rank knows about its rows.
+
+The scheduler is replicated, so every rank holds the same view; everything
+the token path decides (which rows need a sample, whether the step has a
+transfer at all) is derived from it, which is what keeps collectives matched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ppsync.errors import BatchError
+
+IntArray = np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """One step's rows. Arrays are numpy, one entry per row."""
+
+    num_reqs: int
+    idx_mapping_np: IntArray  # [num_reqs] int: request slot index of each row
+    num_computed_tokens_np: IntArray  # [num_reqs] int
+    num_scheduled_tokens_np: IntArray  # [num_reqs] int
+    prefill_len_np: IntArray  # [num_reqs] int
+    max_seq_len_np: IntArray | None = None  # [num_reqs] int, optional cap
+    is_prefilling_np: IntArray | None = None  # [num_reqs] bool, optional
+
+
+_REQUIRED = ("idx_mapping_np", "num_computed_tokens_np", "prefill_len_np")
+
+
+def batch_view_of(input_batch: object) -> BatchView:
+    """Read a vLLM-style ``input_batch`` (attribute names as in the PPHandler
+    interface) into a :class:`BatchView`, without copying arrays."""
+    missing = [
+        a
+        for a in ("num_reqs", *_REQUIRED, "num_scheduled_tokens")
+        if not hasattr(input_batch, a)
+    ]
+    if missing:
+        raise BatchError(
+            f"input_batch of type {type(input_batch).__name__} lacks {', '.join(missing)}"
+        )
+    get = input_batch.__getattribute__
+    return BatchView(
+        num_reqs=get("num_reqs"),
+        idx_mapping_np=get("idx_mapping_np"),
+        num_computed_tokens_np=get("num_computed_tokens_np"),
+        num_scheduled_tokens_np=get("num_scheduled_tokens"),
+        prefill_len_np=get("prefill_len_np"),
+        max_seq_len_np=getattr(input_batch, "max_seq_len_np", None),
+        is_prefilling_np=getattr(input_batch, "is_prefilling_np", None),
+    )
+
+
+def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None:
+    if not isinstance(a, np.ndarray):
+        raise BatchError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.shape != (n,):
+        raise BatchError(f"{name}.shape = {a.shape} must be (num_reqs,) = ({n},)")
+    kind = a.dtype.kind
+    if boolean:
+        if kind != "b":
+            raise BatchError(f"{name}.dtype = {a.dtype} must be bool")
+    elif kind not in "iu":
+        raise BatchError(f"{name}.dtype = {a.dtype} must be an integer dtype")
+
+
+def validate_batch(view: BatchView, max_num_reqs: int) -> None:
+    """Check dtypes, shapes and ranges; raise :class:`BatchError` naming the
+    first field that breaks a rule. Runs before any collective."""
+    n = view.num_reqs
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise BatchError(f"num_reqs = {n!r} must be an int")
+    if not 0 <= n <= max_num_reqs:
+        raise BatchError(f"num_reqs = {n} must lie in [0, max_num_reqs = {max_num_reqs}]")
+    _check_array("idx_mapping_np", view.idx_mapping_np, n)
+    _check_array("num_computed_tokens_np", view.num_computed_tokens_np, n)
+    _check_array("num_scheduled_tokens", view.num_scheduled_tokens_np, n)
+    _check_array("prefill_len_np", view.prefill_len_np, n)
+    if view.max_seq_len_np is not None:
+        _check_array("max_seq_len_np", view.max_seq_len_np, n)
+    if view.is_prefilling_np is not None:
+        _check_array("is_prefilling_np", view.is_prefilling_np, n, boolean=True)
+    if n == 0:
+        return
+    idx = view.idx_mapping_np
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= max_num_reqs:
+        row = int(np.argmax((idx < 0) | (idx >= max_num_reqs)))
+        raise BatchError(
+            f"idx_mapping[{row}] = {int(idx[row])} outside [0, max_num_reqs = {max_num_reqs})"
+        )
+    if n > 1 and np.unique(idx).size != n:
+        raise BatchError("idx_mapping holds a request slot index twice; rows must map to "
+                         "distinct request slots")
+    for name, a in (
+        ("num_computed_tokens_np", view.num_computed_tokens_np),
+        ("num_scheduled_tokens", view.num_scheduled_tokens_np),
+        ("prefill_len_np", view.prefill_len_np),
+    ):
+        if int(a.min()) < 0:
+            row = int(np.argmin(a))
+            raise BatchError(f"{name}[{row}] = {int(a[row])} must be >= 0")

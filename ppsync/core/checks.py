@@ -1,0 +1,101 @@
+"""Checks on a step's sampled outputs, before anything is packed or sent.
+
+Each check raises :class:`BatchError` naming the field, the value and the
+rule. Arrays are checked with a few numpy reductions; nothing is turned into
+Python lists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ppsync.errors import BatchError
+
+_INT_DTYPES = (torch.int64, torch.int32)
+
+
+def _host(name: str, t: object, ndim: int) -> np.ndarray:
+    if not isinstance(t, torch.Tensor):
+        raise BatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise BatchError(f"{name}.dtype = {t.dtype} must be torch.int64 or torch.int32")
+    if t.dim() != ndim:
+        raise BatchError(f"{name} has {t.dim()} dims, shape {tuple(t.shape)}; {ndim} expected")
+    return t.detach().cpu().numpy()
+
+
+def _first_bad(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> BatchError:
+    i = np.unravel_index(int(np.argmax(bad)), bad.shape)
+    where = ", ".join(str(int(x)) for x in i)
+    return BatchError(f"{name}[{where}] = {int(a[i])} {rule}")
+
+
+def check_sampled(
+    sampled_token_ids: object,  # [num_reqs, w] int64, 1 <= w <= L
+    num_sampled: object,  # [num_reqs] int32
+    num_rejected: object,  # [num_reqs] int32
+    *,
+    num_reqs: int,
+    sample_width: int,
+    num_drafts: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate one step's sampler outputs; return their host arrays."""
+    tokens_np = _host("sampled_token_ids", sampled_token_ids, 2)
+    ns_np = _host("num_sampled", num_sampled, 1)
+    nr_np = _host("num_rejected", num_rejected, 1)
+    rows, w = tokens_np.shape
+    if rows != num_reqs:
+        raise BatchError(
+            f"sampled_token_ids.shape[0] = {rows} must equal num_reqs = {num_reqs}"
+        )
+    if not 1 <= w <= sample_width:
+        raise BatchError(
+            f"sampled_token_ids.shape[1] = {w} must lie in [1, L = {sample_width}] "
+            f"(L = num_speculative_steps + 1)"
+        )
+    for name, a in (("num_sampled", ns_np), ("num_rejected", nr_np)):
+        if a.shape[0] != num_reqs:
+            raise BatchError(f"{name}.shape = {a.shape} must be (num_reqs,) = ({num_reqs},)")
+    if num_reqs:
+        if int(ns_np.min()) < 0 or int(ns_np.max()) > w:
+            bad = (ns_np < 0) | (ns_np > w)
+            raise _first_bad("num_sampled", ns_np, bad, f"outside [0, w = {w}] (the sample width sent)")
+        if int(nr_np.min()) < 0 or int(nr_np.max()) > num_drafts:
+            bad = (nr_np < 0) | (nr_np > num_drafts)
+            raise _first_bad(
+                "num_rejected", nr_np, bad, f"outside [0, K = {num_drafts}] (num_speculative_steps)"
+            )
+    return tokens_np, ns_np, nr_np
+
+
+def check_draft_table(
+    draft_tokens: object, *, max_num_reqs: int, num_drafts: int, name: str = "draft_tokens"
+) -> np.ndarray:
+    """Validate a [max_num_reqs, K] draft table; return its host array."""
+    if num_drafts == 0:
+        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+    table_np = _host(name, draft_tokens, 2)
+    if table_np.shape != (max_num_reqs, num_drafts):
+        raise BatchError(
+            f"{name}.shape = {table_np.shape} must be (max_num_reqs, K) = "
+            f"({max_num_reqs}, {num_drafts})"
+        )
+    return table_np
+
+
+def check_draft_target(draft_tokens_to_update: object, *, max_num_reqs: int, num_drafts: int) -> torch.Tensor:
+    """Validate the table a consumer scatters drafts into; return it."""
+    name = "draft_tokens_to_update"
+    if not isinstance(draft_tokens_to_update, torch.Tensor):
+        raise BatchError(f"{name} must be a torch.Tensor, got {type(draft_tokens_to_update).__name__}")
+    if num_drafts == 0:
+        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+    shape = tuple(draft_tokens_to_update.shape)
+    if shape != (max_num_reqs, num_drafts):
+        raise BatchError(
+            f"{name}.shape = {shape} must be (max_num_reqs, K) = ({max_num_reqs}, {num_drafts})"
+        )
+    if draft_tokens_to_update.dtype not in _INT_DTYPES:
+        raise BatchError(f"{name}.dtype = {draft_tokens_to_update.dtype} must be int64 or int32")
+    return draft_tokens_to_update

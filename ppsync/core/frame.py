@@ -1,0 +1,174 @@
+"""One frame per step: header, tokens, counts and drafts in one int64 buffer.
+
+Layout (int64 words)::
+
+    header  [HEADER_WORDS]            magic|version, seq, num_reqs, L, K, flags,
+                                      idx_digest, checksum
+    rows    [R, W], W = L + 2 + K     tokens[L], num_sampled, num_rejected, drafts[K]
+
+R is max_num_reqs in the fixed wire mode (every frame of a group has one
+shape, so ranks that disagree about num_reqs cannot deadlock or tear the
+collective: the header check names the disagreement instead) and num_reqs in
+the exact mode. Row-major rows keep a step's used payload contiguous, so the
+checksum is one dot product over ``num_reqs * W`` words.
+
+``seq`` counts frames sent on the group (steps with no transfer send none),
+so an engine that skips calls on empty steps keeps its ranks in agreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ppsync.errors import DesyncError
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.records import FLAG_EXACT, FLAG_HAS_DRAFTS, FRAME_FORMAT_VERSION
+
+HEADER_WORDS = 8
+_MAGIC = 0x50505359 << 8  # "PPSY"
+_H_MAGIC, _H_SEQ, _H_NREQS, _H_L, _H_K, _H_FLAGS, _H_DIGEST, _H_CSUM = range(HEADER_WORDS)
+_HEADER_NAMES = ("version", "seq", "num_reqs", "sample_width", "num_drafts", "flags",
+                 "idx_digest", "checksum")
+
+
+def _weights(n: int, salt: int) -> np.ndarray:
+    """[n] int64 odd multipliers, the same on every rank (no RNG involved)."""
+    i = np.arange(n, dtype=np.uint64) + np.uint64(salt)
+    with np.errstate(over="ignore"):
+        w = (i * np.uint64(0x9E3779B97F4A7C15)) ^ (i >> np.uint64(7))
+    return (w | np.uint64(1)).view(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameView:
+    """What a rank expects of a frame: its own view of the step."""
+
+    seq: int
+    num_reqs: int
+    idx_digest: int
+
+    def as_dict(self, codec: FrameCodec) -> dict[str, int]:
+        return {
+            "version": FRAME_FORMAT_VERSION,
+            "seq": self.seq,
+            "num_reqs": self.num_reqs,
+            "sample_width": codec.sample_width,
+            "num_drafts": codec.num_drafts,
+            "idx_digest": self.idx_digest,
+        }
+
+
+class FrameCodec:
+    """Packs and checks frames for one configuration."""
+
+    def __init__(self, config: SyncConfig) -> None:
+        self.max_num_reqs = config.max_num_reqs
+        self.sample_width = config.sample_width  # L
+        self.num_drafts = config.num_speculative_steps  # K
+        self.row_width = self.sample_width + 2 + self.num_drafts  # W
+        self.exact = config.wire == "exact"
+        self._payload_w = _weights(self.max_num_reqs * self.row_width, salt=1)
+        self._header_w = _weights(HEADER_WORDS, salt=1 << 40)
+        self._idx_w = _weights(self.max_num_reqs, salt=1 << 50)
+
+    def words(self, num_reqs: int) -> int:
+        """Frame length in int64 words for a step of ``num_reqs`` rows."""
+        rows = num_reqs if self.exact else self.max_num_reqs
+        return HEADER_WORDS + rows * self.row_width
+
+    def new_buffer(self, num_reqs: int) -> torch.Tensor:
+        """A fresh CPU frame buffer; ``.numpy()`` shares its memory."""
+        return torch.empty(self.words(num_reqs), dtype=torch.int64)
+
+    def idx_digest(self, idx_mapping_np: np.ndarray) -> int:
+        """Digest of a step's idx_mapping; equal views give equal digests."""
+        n = idx_mapping_np.shape[0]
+        return int(np.dot(idx_mapping_np.astype(np.int64, copy=False) + 1, self._idx_w[:n]))
+
+    def rows(self, buf_np: np.ndarray, num_reqs: int) -> np.ndarray:
+        """[num_reqs, W] view of the used rows."""
+        end = HEADER_WORDS + num_reqs * self.row_width
+        return buf_np[HEADER_WORDS:end].reshape(num_reqs, self.row_width)
+
+    def _checksum(self, buf_np: np.ndarray, num_reqs: int) -> int:
+        m = num_reqs * self.row_width
+        payload = buf_np[HEADER_WORDS : HEADER_WORDS + m]
+        head = buf_np[:_H_CSUM]
+        return int(np.dot(payload, self._payload_w[:m]) + np.dot(head, self._header_w[:_H_CSUM]))
+
+    def pack(
+        self,
+        buf_np: np.ndarray,  # [words] int64
+        view: FrameView,
+        tokens_np: np.ndarray,  # [num_reqs, w] int, 1 <= w <= L
+        num_sampled_np: np.ndarray,  # [num_reqs] int
+        num_rejected_np: np.ndarray,  # [num_reqs] int
+        drafts_np: np.ndarray | None,  # [num_reqs, K] int, None = no drafts
+    ) -> None:
+        """Write one step into ``buf_np`` (inputs already validated)."""
+        n, L = view.num_reqs, self.sample_width
+        rows = self.rows(buf_np, n)
+        w = tokens_np.shape[1]
+        rows[:, :w] = tokens_np
+        if w < L:
+            rows[:, w:L] = -1
+        rows[:, L] = num_sampled_np
+        rows[:, L + 1] = num_rejected_np
+        flags = FLAG_EXACT if self.exact else 0
+        if self.num_drafts:
+            if drafts_np is None:
+                rows[:, L + 2 :] = -1
+            else:
+                rows[:, L + 2 :] = drafts_np
+                flags |= FLAG_HAS_DRAFTS
+        buf_np[:_H_CSUM] = (
+            _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, L, self.num_drafts, flags,
+            view.idx_digest,
+        )
+        buf_np[_H_CSUM] = self._checksum(buf_np, n)
+
+    def header_dict(self, buf_np: np.ndarray) -> dict[str, int]:
+        """The header words by name (version decoded from the magic word)."""
+        words = [int(x) for x in buf_np[:HEADER_WORDS]]
+        out = dict(zip(_HEADER_NAMES, words, strict=True))
+        magic = out["version"]
+        out["version"] = magic & 0xFF if magic & ~0xFF == _MAGIC else -1
+        return out
+
+    def check(self, buf_np: np.ndarray, view: FrameView, *, rank: int) -> int:
+        """Verify a received frame against this rank's view of the step.
+
+        Returns the header's flags; raises :class:`DesyncError` showing both
+        views when anything disagrees (or the payload checksum fails)."""
+        head = buf_np[:HEADER_WORDS]
+        n = view.num_reqs
+        if (
+            head[_H_MAGIC] == (_MAGIC | FRAME_FORMAT_VERSION)
+            and head[_H_SEQ] == view.seq
+            and head[_H_NREQS] == n
+            and head[_H_L] == self.sample_width
+            and head[_H_K] == self.num_drafts
+            and head[_H_DIGEST] == view.idx_digest
+        ):
+            if int(head[_H_CSUM]) == self._checksum(buf_np, n):
+                return int(head[_H_FLAGS])
+            got = self.header_dict(buf_np)
+            raise DesyncError(
+                f"rank {rank}: frame seq {view.seq} fails its payload checksum "
+                f"(header says {got['checksum']}, payload gives {self._checksum(buf_np, n)})",
+                expected=view.as_dict(self),
+                received=got,
+            )
+        got = self.header_dict(buf_np)
+        mine = view.as_dict(self)
+        diffs = ", ".join(
+            f"{k}: mine {v} vs sender {got[k]}" for k, v in mine.items() if got.get(k) != v
+        )
+        raise DesyncError(
+            f"rank {rank}: frame disagrees with this rank's view of the step ({diffs})",
+            expected=mine,
+            received=got,
+        )

@@ -1,0 +1,322 @@
+"""The synchronous token path of one rank: mask, ring, generations and frame
+over one process group.
+
+Per engine step, on every rank and in this order:
+
+- receivers (every rank but the last): :meth:`TokenPath.consume` (releases
+  the step posted D steps ago), :meth:`TokenPath.free` for freed request slots,
+  then :meth:`TokenPath.post` with the new step's batch view;
+- the last rank: :meth:`TokenPath.free` for freed slots, then
+  :meth:`TokenPath.publish` with the batch view and the sampler's outputs.
+
+Every input is checked before any collective is issued, so a bad call on one
+rank raises there and leaves the group usable. Every wait is bounded by
+``config.timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ppsync.core.batch import BatchView, validate_batch
+from ppsync.core.checks import check_draft_target, check_sampled
+from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.generations import GenerationTable
+from ppsync.core.mask import need_sampled_mask
+from ppsync.core.released import ReleasedStep
+from ppsync.core.ring import SlotRing
+from ppsync.core.transport import broadcast_async, wait_work
+from ppsync.errors import BatchError, ConfigError, ProtocolError, RoleError
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.records import FLAG_HAS_DRAFTS
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A posted receive, waiting in the ring for its consume."""
+
+    frame: FrameView
+    need_np: np.ndarray  # [num_reqs] bool
+    idx_np: np.ndarray  # [num_reqs] int64, a copy of the batch's idx_mapping
+    gen_np: np.ndarray  # [num_reqs] int64 generation snapshot
+    buf: torch.Tensor  # [words] int64 frame buffer the receive fills
+    work: dist.Work
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """A last-rank step whose inputs passed every check; ready to send."""
+
+    view: BatchView
+    need_np: np.ndarray  # [num_reqs] bool
+    tokens_np: np.ndarray  # [num_reqs, w] int
+    num_sampled_np: np.ndarray  # [num_reqs] int
+    num_rejected_np: np.ndarray  # [num_reqs] int
+
+    @property
+    def num_needed(self) -> int:
+        return int(self.need_np.sum())
+
+
+class TokenPath:
+    """One rank's synchronous token path over ``group`` (the dedicated token
+    group: same ranks as the PP group, last group rank samples)."""
+
+    def __init__(self, config: SyncConfig, group: dist.ProcessGroup) -> None:
+        size = dist.get_world_size(group)
+        if size != config.pp_size:
+            raise ConfigError(
+                f"pp_size = {config.pp_size} but the group has {size} ranks; they must match"
+            )
+        self.config = config
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.is_last = self.rank == config.pp_size - 1
+        self.src = dist.get_global_rank(group, config.pp_size - 1)
+        self.codec = FrameCodec(config)
+        self.generations = GenerationTable(config.max_num_reqs)
+        self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
+        self.seq = 0  # frames issued on this group so far
+        self.steps = 0  # post/publish calls so far
+        self._tail_open = False  # receivers: consume() reserved a tail not yet posted
+        self._inflight: deque[tuple[torch.Tensor, dist.Work]] = deque()
+        self._closed = False
+
+    # -- shared ---------------------------------------------------------
+
+    def free(self, req_idx: int) -> None:
+        """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
+        self._check_open()
+        self.generations.bump(req_idx)
+
+    def inflight_works(self) -> Iterator[dist.Work]:
+        """Works issued and not yet known complete (last rank: sends; other
+        ranks: receives not waited by a consume)."""
+        return (w for _, w in self._inflight)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ProtocolError(f"rank {self.rank}: token path used after close()")
+
+    def _check_role(self, op: str, *, last: bool) -> None:
+        self._check_open()
+        if self.is_last != last:
+            who = "the last rank" if last else "a non-last rank"
+            raise RoleError(
+                f"{op}() belongs to {who}; group rank {self.rank} of pp_size "
+                f"{self.config.pp_size} is {'the last' if self.is_last else 'not the last'} rank"
+            )
+
+    def _prune(self) -> None:
+        """Drop completed works; wait the oldest while more than D are held."""
+        inflight = self._inflight
+        while inflight and inflight[0][1].is_completed():
+            buf, work = inflight.popleft()
+            self._wait(work, "earlier transfer")
+        while len(inflight) > self.config.depth:
+            buf, work = inflight.popleft()
+            self._wait(work, "earlier transfer")
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        peer = None if self.is_last else self.src
+        wait_work(work, timeout_s=self.config.timeout_s, what=f"rank {self.rank}: {what}", peer=peer)
+
+    # -- last rank --------------------------------------------------------
+
+    def prepare(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+    ) -> PreparedStep:
+        """Check one step's batch view and sampler outputs (last rank);
+        nothing is sent."""
+        self._check_role("broadcast", last=True)
+        validate_batch(view, self.config.max_num_reqs)
+        tokens_np, ns_np, nr_np = check_sampled(
+            sampled_token_ids, num_sampled, num_rejected,
+            num_reqs=view.num_reqs,
+            sample_width=self.config.sample_width,
+            num_drafts=self.config.num_speculative_steps,
+        )
+        return PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np)
+
+    def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
+        """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
+        Returns the rows needing a sample; 0 means the step had no transfer."""
+        self._check_role("broadcast", last=True)
+        self.steps += 1
+        needed = step.num_needed
+        if needed == 0:
+            return 0
+        if drafts_np is not None and drafts_np.shape != (step.view.num_reqs,
+                                                         self.config.num_speculative_steps):
+            raise BatchError(
+                f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
+                f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
+            )
+        self._prune()
+        codec = self.codec
+        frame = FrameView(self.seq, step.view.num_reqs, codec.idx_digest(step.view.idx_mapping_np))
+        buf = codec.new_buffer(frame.num_reqs)
+        codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
+                   step.num_rejected_np, drafts_np)
+        self._inflight.append((buf, broadcast_async(buf, self.src, self.group)))
+        self.seq += 1
+        return needed
+
+    def publish(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,  # [num_reqs, w] int64, 1 <= w <= L
+        num_sampled: torch.Tensor,  # [num_reqs] int32
+        num_rejected: torch.Tensor,  # [num_reqs] int32
+        draft_tokens: torch.Tensor | None = None,  # [num_reqs, K] int64
+    ) -> int:
+        """Check and broadcast one step (last rank). Returns the rows needing a
+        sample; 0 means the step had no transfer on any rank."""
+        step = self.prepare(view, sampled_token_ids, num_sampled, num_rejected)
+        drafts_np = None
+        if draft_tokens is not None:
+            if self.config.num_speculative_steps == 0:
+                raise BatchError("draft_tokens given but num_speculative_steps = 0")
+            if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype not in (
+                torch.int64, torch.int32
+            ):
+                raise BatchError("draft_tokens must be an int64 or int32 torch.Tensor")
+            drafts_np = draft_tokens.detach().cpu().numpy()
+        return self.send(step, drafts_np)
+
+    # -- receivers --------------------------------------------------------
+
+    def post(self, view: BatchView) -> int:
+        """Post this step's receive into the ring's tail (non-last ranks).
+        Returns the rows needing a sample; 0 means no transfer this step."""
+        self._check_role("receive", last=False)
+        if not self._tail_open:
+            raise ProtocolError(
+                f"rank {self.rank}: post() without a consume() before it; each step is "
+                "consume() then post()"
+            )
+        validate_batch(view, self.config.max_num_reqs)
+        need = need_sampled_mask(view)
+        needed = int(need.sum())
+        self._tail_open = False
+        self.steps += 1
+        if needed == 0:
+            return 0
+        idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
+        frame = FrameView(self.seq, view.num_reqs, self.codec.idx_digest(idx_np))
+        buf = self.codec.new_buffer(frame.num_reqs)
+        work = broadcast_async(buf, self.src, self.group)
+        self.ring.fill_tail(
+            PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
+        )
+        self.seq += 1
+        return needed
+
+    def head_work(self) -> dist.Work | None:
+        """The work the next :meth:`consume` will wait on, or None when it will
+        not wait (empty slot)."""
+        if self.is_last or self._closed:
+            return None
+        head = self.ring.head()
+        return None if head is None else head.work
+
+    def consume(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
+        """Release the step posted D steps ago (non-last ranks).
+
+        Returns None for an empty slot, or when every row is excluded (then it
+        does not wait). Otherwise waits, at most timeout_s, for the transfer,
+        checks the header against this rank's view (DesyncError), and scatters
+        drafts into ``draft_tokens_to_update[slot]`` for kept rows only."""
+        self._check_role("get_prev_sampled_outputs", last=False)
+        if self._tail_open:
+            raise ProtocolError(
+                f"rank {self.rank}: consume() twice without a post() between; each step is "
+                "consume() then post()"
+            )
+        table = None
+        if draft_tokens_to_update is not None:
+            table = check_draft_target(
+                draft_tokens_to_update,
+                max_num_reqs=self.config.max_num_reqs,
+                num_drafts=self.config.num_speculative_steps,
+            )
+        self._prune()
+        head = self.ring.advance()
+        self._tail_open = True
+        if head is None:
+            return None
+        keep = head.need_np & self.generations.unchanged(head.idx_np, head.gen_np)
+        if not keep.any():
+            # Nothing to hand out: do not wait, but keep the buffer alive and
+            # the work watched until it completes.
+            self._inflight.append((head.buf, head.work))
+            return None
+        self._wait(head.work, f"receive of frame {head.frame.seq}")
+        return self._release(head, keep, table)
+
+    def _release(
+        self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
+    ) -> ReleasedStep:
+        buf_np = head.buf.numpy()
+        flags = self.codec.check(buf_np, head.frame, rank=self.rank)
+        L = self.config.sample_width
+        rows = self.codec.rows(buf_np, head.frame.num_reqs)
+        idx_out = np.where(keep, head.idx_np, -1)
+        drafts = None
+        if flags & FLAG_HAS_DRAFTS:
+            drafts_np = np.ascontiguousarray(rows[:, L + 2 :])
+            drafts = torch.from_numpy(drafts_np)
+            if table is not None:
+                _scatter(table, head.idx_np[keep], drafts_np[keep])
+        return ReleasedStep(
+            seq=head.frame.seq,
+            sampled_tokens=torch.from_numpy(np.ascontiguousarray(rows[:, :L])),
+            num_sampled=torch.from_numpy(rows[:, L].astype(np.int32)),
+            num_rejected=torch.from_numpy(rows[:, L + 1].astype(np.int32)),
+            idx_mapping=torch.from_numpy(idx_out),
+            draft_tokens=drafts,
+            kept_np=keep,
+        )
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop using the group. With ``drain``, wait (bounded) for every
+        posted receive and issued send, so no peer is left mid-collective;
+        without, abandon them. Further calls raise ProtocolError."""
+        if self._closed:
+            return
+        try:
+            if drain:
+                for pending in self.ring.pending():
+                    self._wait(pending.work, f"draining receive of frame {pending.frame.seq}")
+                while self._inflight:
+                    _, work = self._inflight.popleft()
+                    self._wait(work, "draining transfer")
+        finally:
+            self.ring.clear()
+            self._inflight.clear()
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> None:
+    """table[idx] = rows, for kept rows only (rule 4: never a -1 index)."""
+    if table.device.type == "cpu":
+        table.numpy()[idx_np] = rows_np
+    else:
+        idx = torch.from_numpy(idx_np).to(table.device, non_blocking=True)
+        table[idx] = torch.from_numpy(rows_np).to(table.device, table.dtype, non_blocking=True)

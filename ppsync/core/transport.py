@@ -1,0 +1,56 @@
+"""Issuing the token path's collective and waiting on it with a deadline.
+
+Gloo reports a silent peer as ``RuntimeError('... timed out ...')`` and a dead
+one as a connection error within milliseconds; both become ppsync's typed
+errors here so that an engine never sees a bare RuntimeError or an endless
+wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
+
+_LOST_MARKERS = (
+    "connection reset",
+    "connection closed",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "read error",
+    "write error",
+    "unexpected end",
+    "eof",
+    "aborted",
+)
+
+
+def broadcast_async(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
+    """Post one broadcast of ``buf`` from global rank ``src``; never blocks."""
+    work = dist.broadcast(buf, src=src, group=group, async_op=True)
+    assert work is not None  # async_op=True always returns a handle
+    return work
+
+
+def translate(exc: BaseException, *, what: str, timeout_s: float, peer: int | None) -> PPSyncError:
+    """Map a torch.distributed failure to SyncTimeout or PeerLost."""
+    text = str(exc)
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        return SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s} ({text})")
+    if any(m in low for m in _LOST_MARKERS):
+        who = f"peer rank {peer}" if peer is not None else "a peer rank"
+        return PeerLost(f"{what}: {who} is gone ({text})", peer=peer)
+    return PeerLost(f"{what}: transfer failed ({text})", peer=peer)
+
+
+def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
+    """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise translate(e, what=what, timeout_s=timeout_s, peer=peer) from e

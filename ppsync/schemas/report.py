@@ -1,0 +1,71 @@
+"""The run report that ``ppsync launch`` prints and writes as JSON."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ppsync.schemas.config import SyncConfig
+
+
+class RankReport(BaseModel):
+    """What one rank did and saw during a run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    """Group rank."""
+    role: Literal["last", "receiver"]
+    """'last' samples and broadcasts; 'receiver' posts and consumes."""
+    steps: int = Field(ge=0)
+    """Engine steps run."""
+    transfers: int = Field(ge=0)
+    """Steps that had a transfer (at least one row needed a sample)."""
+    rows_sent: int = Field(default=0, ge=0)
+    """Rows needing a sample that the last rank broadcast."""
+    rows_expected: int = Field(default=0, ge=0)
+    """Rows this receiver should have been handed (needed and still live)."""
+    rows_delivered: int = Field(default=0, ge=0)
+    """Rows handed to the engine whose tokens matched the workload exactly."""
+    lost: int = Field(default=0, ge=0)
+    """Expected rows that were not handed out."""
+    stale: int = Field(default=0, ge=0)
+    """Rows handed out for a request that had ended (or needed no sample)."""
+    duplicated: int = Field(default=0, ge=0)
+    """Rows handed out for a (request, position) already delivered."""
+    corrupt: int = Field(default=0, ge=0)
+    """Rows handed out with tokens, counts or drafts that differ from the workload."""
+    sync_us_p50: float = Field(default=0.0, ge=0)
+    """Median time per step this rank's loop spent blocked in the token path (µs)."""
+    sync_us_p99: float = Field(default=0.0, ge=0)
+    """99th percentile of the same (µs)."""
+    wall_s: float = Field(default=0.0, ge=0)
+    """Wall time of the rank's step loop."""
+
+    @property
+    def faults(self) -> int:
+        """Rows lost, stale, duplicated or corrupt."""
+        return self.lost + self.stale + self.duplicated + self.corrupt
+
+
+class RunReport(BaseModel):
+    """One run of the synthetic workload over every rank."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: SyncConfig
+    """The token path's configuration."""
+    steps: int = Field(ge=0)
+    """Steps each rank ran."""
+    seed: int
+    """Workload seed."""
+    mode: Literal["sync", "async"] = "sync"
+    """Which path carried the tokens: the synchronous core or the anyio services."""
+    ranks: list[RankReport]
+    """One entry per rank, in rank order."""
+
+    @property
+    def ok(self) -> bool:
+        """True when no rank lost, duplicated, corrupted or kept a stale row."""
+        return all(r.faults == 0 for r in self.ranks)
