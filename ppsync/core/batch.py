@@ -8,6 +8,7 @@ transfer at all) is derived from it, which is what keeps collectives matched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,11 @@ def batch_view_of(input_batch: object) -> BatchView:
         raise BatchError(
             f"input_batch of type {type(input_batch).__name__} lacks {', '.join(missing)}"
         )
-    get = input_batch.__getattribute__
+
+    def get(name: str) -> Any:
+        # getattr, not __getattribute__: hasattr above also sees __getattr__ attributes
+        return getattr(input_batch, name)
+
     return BatchView(
         num_reqs=get("num_reqs"),
         idx_mapping_np=get("idx_mapping_np"),

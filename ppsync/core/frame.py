@@ -97,7 +97,10 @@ class FrameCodec:
         m = num_reqs * self.row_width
         payload = buf_np[HEADER_WORDS : HEADER_WORDS + m]
         head = buf_np[:_H_CSUM]
-        return int(np.dot(payload, self._payload_w[:m]) + np.dot(head, self._header_w[:_H_CSUM]))
+        # int64 arithmetic wraps mod 2**64 by design; numpy warns on scalar overflow
+        with np.errstate(over="ignore"):
+            total = np.dot(payload, self._payload_w[:m]) + np.dot(head, self._header_w[:_H_CSUM])
+        return int(total)
 
     def pack(
         self,
