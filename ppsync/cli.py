@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--seed", type=int, default=0, help="workload seed")
     la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
     la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
+                    choices=["asyncio", "trio"],
+                    help="carry tokens through the anyio services (default backend asyncio)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
     return p
 
@@ -50,7 +53,7 @@ def _launch(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         wire=args.wire,
     )
-    report = run_local(config, steps=args.steps, seed=args.seed)
+    report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend)
     print(format_table(report))
     if args.report is not None:
         args.report.write_text(report.model_dump_json(indent=2) + "\n")

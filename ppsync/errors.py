@@ -86,7 +86,7 @@ class PeerLost(PPSyncError, ConnectionError):
 
 
 class RankFailed(PPSyncError):
-    """Raised by a launcher when a rank process raised, crashed or was killed;
+    """Raised when a launcher's rank process raised, crashed or was killed;
     ``errors`` holds each failed rank's exception (or a description of its
     exit)."""
 

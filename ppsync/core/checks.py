@@ -99,3 +99,17 @@ def check_draft_target(draft_tokens_to_update: object, *, max_num_reqs: int, num
     if draft_tokens_to_update.dtype not in _INT_DTYPES:
         raise BatchError(f"{name}.dtype = {draft_tokens_to_update.dtype} must be int64 or int32")
     return draft_tokens_to_update
+
+
+def check_step_drafts(draft_tokens: object, *, num_reqs: int, num_drafts: int) -> np.ndarray:
+    """Validate one step's drafts, [num_reqs, K] (already gathered by
+    idx_mapping); return the host array."""
+    if num_drafts == 0:
+        raise BatchError("draft_tokens given but num_speculative_steps = 0: there are no drafts")
+    drafts_np = _host("draft_tokens", draft_tokens, 2)
+    if drafts_np.shape != (num_reqs, num_drafts):
+        raise BatchError(
+            f"draft_tokens.shape = {drafts_np.shape} must be (num_reqs, K) = "
+            f"({num_reqs}, {num_drafts})"
+        )
+    return drafts_np

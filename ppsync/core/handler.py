@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
-from ppsync.core.checks import check_draft_target, check_sampled
+from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.mask import need_sampled_mask
@@ -87,6 +87,8 @@ class TokenPath:
         self._tail_open = False  # receivers: consume() reserved a tail not yet posted
         self._inflight: deque[tuple[torch.Tensor, dist.Work]] = deque()
         self._closed = False
+        self.last_issue: tuple[int, torch.Tensor, dist.Work] | None = None
+        """(seq, buffer, work) of the most recent collective issued."""
 
     # -- shared ---------------------------------------------------------
 
@@ -99,6 +101,13 @@ class TokenPath:
         """Works issued and not yet known complete (last rank: sends; other
         ranks: receives not waited by a consume)."""
         return (w for _, w in self._inflight)
+
+    def works_before_issue(self) -> list[dist.Work]:
+        """Works that the next send/consume would wait on synchronously (the
+        oldest beyond D in flight); an async caller awaits these first so the
+        call never blocks."""
+        excess = len(self._inflight) - self.config.depth
+        return [w for _, w in list(self._inflight)[: max(0, excess + 1)]]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -168,7 +177,9 @@ class TokenPath:
         buf = codec.new_buffer(frame.num_reqs)
         codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
                    step.num_rejected_np, drafts_np)
-        self._inflight.append((buf, broadcast_async(buf, self.src, self.group)))
+        work = broadcast_async(buf, self.src, self.group)
+        self._inflight.append((buf, work))
+        self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
 
@@ -185,13 +196,10 @@ class TokenPath:
         step = self.prepare(view, sampled_token_ids, num_sampled, num_rejected)
         drafts_np = None
         if draft_tokens is not None:
-            if self.config.num_speculative_steps == 0:
-                raise BatchError("draft_tokens given but num_speculative_steps = 0")
-            if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype not in (
-                torch.int64, torch.int32
-            ):
-                raise BatchError("draft_tokens must be an int64 or int32 torch.Tensor")
-            drafts_np = draft_tokens.detach().cpu().numpy()
+            drafts_np = check_step_drafts(
+                draft_tokens, num_reqs=view.num_reqs,
+                num_drafts=self.config.num_speculative_steps,
+            )
         return self.send(step, drafts_np)
 
     # -- receivers --------------------------------------------------------
@@ -219,16 +227,25 @@ class TokenPath:
         self.ring.fill_tail(
             PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
         )
+        self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
 
     def head_work(self) -> dist.Work | None:
         """The work the next :meth:`consume` will wait on, or None when it will
-        not wait (empty slot)."""
+        not wait (an empty slot, or every row excluded)."""
         if self.is_last or self._closed:
             return None
         head = self.ring.head()
-        return None if head is None else head.work
+        if head is None or not self._keep(head).any():
+            return None
+        return head.work
+
+    def _keep(self, head: PendingStep) -> np.ndarray:
+        """[num_reqs] bool: rows that needed a sample and whose slot was not
+        freed since the receive was posted."""
+        keep: np.ndarray = head.need_np & self.generations.unchanged(head.idx_np, head.gen_np)
+        return keep
 
     def consume(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
         """Release the step posted D steps ago (non-last ranks).
@@ -255,7 +272,7 @@ class TokenPath:
         self._tail_open = True
         if head is None:
             return None
-        keep = head.need_np & self.generations.unchanged(head.idx_np, head.gen_np)
+        keep = self._keep(head)
         if not keep.any():
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.

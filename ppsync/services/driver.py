@@ -1,30 +1,41 @@
-"""Drive one rank's synchronous token path with the synthetic workload.
+"""Drive one rank's token path with the synthetic workload, synchronously
+(the core) or through the anyio services.
 
-The loop follows the engine order of ``ppsync.core.handler``: consume (non-last
-ranks), free slots, schedule, then post or publish. It runs D extra steps with
-empty batches at the end so every posted step is consumed and checked.
+Both loops follow the engine order of ``ppsync.core.handler``: consume
+(non-last ranks), free slots, schedule, then post or publish. They run D
+extra steps with empty batches at the end so every posted step is consumed
+and checked. The time a rank's loop spends inside the token path per step is
+recorded as its sync latency.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Literal
 
+import anyio
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ppsync.core.handler import TokenPath
+from ppsync.core.released import ReleasedStep
+from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
 from ppsync.services.checker import Checker
-from ppsync.services.workload import Workload, WorkloadConfig
+from ppsync.services.runtime import open_rank
+from ppsync.services.workload import ScheduledStep, Workload, WorkloadConfig
+
+Backend = Literal["asyncio", "trio"]
 
 
-def workload_config(path: TokenPath, *, steps: int, seed: int, **knobs: object) -> WorkloadConfig:
-    """The workload matching a token path's configuration."""
-    c = path.config
+def workload_config(config: SyncConfig, *, steps: int, seed: int, **knobs: object) -> WorkloadConfig:
+    """The workload matching a token path configuration."""
     return WorkloadConfig(
-        max_num_reqs=c.max_num_reqs,
-        num_speculative_steps=c.num_speculative_steps,
-        ring_depth=c.depth,
+        max_num_reqs=config.max_num_reqs,
+        num_speculative_steps=config.num_speculative_steps,
+        ring_depth=config.depth,
         seed=seed,
         steps=steps,
         **knobs,  # type: ignore[arg-type]
@@ -39,58 +50,114 @@ def percentiles_us(samples_ns: np.ndarray) -> tuple[float, float]:
     return float(p50), float(p99)
 
 
+@dataclass
+class StepLoop:
+    """The workload side of a rank's loop, shared by the sync and async drivers."""
+
+    wcfg: WorkloadConfig
+    is_last: bool
+    wl: Workload = field(init=False)
+    checker: Checker = field(init=False)
+    table: torch.Tensor | None = field(init=False)  # [max_num_reqs, K] draft table
+    blocked_ns: np.ndarray = field(init=False)  # [steps + D] int64
+    transfers: int = 0
+    rows_sent: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.wl = Workload(self.wcfg)
+        self.checker = Checker(self.wl)
+        K = self.wcfg.num_speculative_steps
+        self.table = torch.full((self.wcfg.max_num_reqs, K), -1, dtype=torch.int64) if K else None
+        self.blocked_ns = np.zeros(self.total_steps, dtype=np.int64)
+
+    @property
+    def total_steps(self) -> int:
+        return self.wcfg.steps + self.wcfg.ring_depth
+
+    def released(self, t: int, released: ReleasedStep | None) -> None:
+        self.checker.check(t, released, self.table)
+
+    def schedule(self, t: int, free: TokenPath) -> ScheduledStep:
+        for slot in self.wl.begin_step(t):
+            free.free(slot)
+        return self.wl.schedule(t)
+
+    def sent(self, t: int, needed: int, blocked_ns: int) -> None:
+        self.blocked_ns[t] = blocked_ns
+        self.transfers += needed > 0
+        if self.is_last:
+            self.rows_sent += needed
+
+    def report(self, rank: int) -> RankReport:
+        p50, p99 = percentiles_us(self.blocked_ns[: self.wcfg.steps])
+        tl = self.checker.tally
+        return RankReport(
+            rank=rank, role="last" if self.is_last else "receiver", steps=self.wcfg.steps,
+            transfers=self.transfers, rows_sent=self.rows_sent, rows_expected=tl.rows_expected,
+            rows_delivered=tl.delivered, lost=tl.lost, stale=tl.stale,
+            duplicated=tl.duplicated, corrupt=tl.corrupt, sync_us_p50=p50, sync_us_p99=p99,
+            wall_s=time.perf_counter() - self.started,
+        )
+
+
+def outputs(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor | None]:
+    """The last rank's sampler outputs for ``step``, as the engine hands them."""
+    return (
+        torch.from_numpy(step.tokens_np[:, : step.width]),
+        torch.from_numpy(step.num_sampled_np),
+        torch.from_numpy(step.num_rejected_np),
+        None if step.drafts_np is None else torch.from_numpy(step.drafts_np),
+    )
+
+
 def run_sync_rank(path: TokenPath, wcfg: WorkloadConfig) -> RankReport:
-    """Run ``wcfg.steps`` steps (plus D to drain) and report what was seen."""
-    wl = Workload(wcfg)
-    checker = Checker(wl)
-    depth = wcfg.ring_depth
-    K = wcfg.num_speculative_steps
-    table = torch.full((wcfg.max_num_reqs, K), -1, dtype=torch.int64) if K else None
-    total = wcfg.steps + depth
-    blocked_ns = np.zeros(total, dtype=np.int64)
-    transfers = rows_sent = 0
-    start = time.perf_counter()
-    for t in range(total):
+    """Run ``wcfg.steps`` steps (plus D to drain) through the core."""
+    loop = StepLoop(wcfg, path.is_last)
+    for t in range(loop.total_steps):
         spent = 0
         if not path.is_last:
             t0 = time.perf_counter_ns()
-            released = path.consume(table)
+            released = path.consume(loop.table)
             spent = time.perf_counter_ns() - t0
-            checker.check(t, released, table)
-        for slot in wl.begin_step(t):
-            path.free(slot)
-        step = wl.schedule(t)
+            loop.released(t, released)
+        step = loop.schedule(t, path)
         t0 = time.perf_counter_ns()
         if path.is_last:
-            sent = path.publish(
-                step.view,
-                torch.from_numpy(step.tokens_np[:, : step.width]),
-                torch.from_numpy(step.num_sampled_np),
-                torch.from_numpy(step.num_rejected_np),
-                None if step.drafts_np is None else torch.from_numpy(step.drafts_np),
-            )
-            rows_sent += sent
+            needed = path.publish(step.view, *outputs(step))
         else:
-            sent = path.post(step.view)
-        blocked_ns[t] = spent + time.perf_counter_ns() - t0
-        transfers += sent > 0
+            needed = path.post(step.view)
+        loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
     path.close()
-    wall = time.perf_counter() - start
-    p50, p99 = percentiles_us(blocked_ns[: wcfg.steps])
-    tl = checker.tally
-    return RankReport(
-        rank=path.rank,
-        role="last" if path.is_last else "receiver",
-        steps=wcfg.steps,
-        transfers=transfers,
-        rows_sent=rows_sent,
-        rows_expected=tl.rows_expected,
-        rows_delivered=tl.delivered,
-        lost=tl.lost,
-        stale=tl.stale,
-        duplicated=tl.duplicated,
-        corrupt=tl.corrupt,
-        sync_us_p50=p50,
-        sync_us_p99=p99,
-        wall_s=wall,
-    )
+    return loop.report(path.rank)
+
+
+async def run_async_rank(
+    config: SyncConfig, group: dist.ProcessGroup, wcfg: WorkloadConfig
+) -> RankReport:
+    """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services."""
+    async with open_rank(config, group) as rank:
+        loop = StepLoop(wcfg, rank.is_last)
+        for t in range(loop.total_steps):
+            spent = 0
+            if not rank.is_last:
+                t0 = time.perf_counter_ns()
+                released = await rank.take(loop.table)
+                spent = time.perf_counter_ns() - t0
+                loop.released(t, released)
+            step = loop.schedule(t, rank.path)
+            t0 = time.perf_counter_ns()
+            if rank.is_last:
+                needed = await rank.publish(step.view, *outputs(step))
+            else:
+                needed = await rank.post(step.view)
+            loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
+    return loop.report(rank.rank)
+
+
+def run_async_rank_blocking(
+    config: SyncConfig, group: dist.ProcessGroup, wcfg: WorkloadConfig, backend: Backend
+) -> RankReport:
+    """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
+    return anyio.run(run_async_rank, config, group, wcfg, backend=backend)

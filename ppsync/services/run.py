@@ -10,24 +10,37 @@ from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport, RunReport
-from ppsync.services.driver import run_sync_rank, workload_config
+from ppsync.services.driver import (
+    Backend,
+    run_async_rank_blocking,
+    run_sync_rank,
+    workload_config,
+)
 from ppsync.services.launcher import RankEnv, spawn_ranks
 
 
-def _sync_rank(config: SyncConfig, steps: int, seed: int, env: RankEnv) -> RankReport:
+def _rank(
+    config: SyncConfig, steps: int, seed: int, backend: Backend | None, env: RankEnv
+) -> RankReport:
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
-    path = TokenPath(config, group)
-    return run_sync_rank(path, workload_config(path, steps=steps, seed=seed))
+    wcfg = workload_config(config, steps=steps, seed=seed)
+    if backend is None:
+        return run_sync_rank(TokenPath(config, group), wcfg)
+    return run_async_rank_blocking(config, group, wcfg, backend)
 
 
-def run_local(config: SyncConfig, *, steps: int, seed: int = 0) -> RunReport:
+def run_local(
+    config: SyncConfig, *, steps: int, seed: int = 0, backend: Backend | None = None
+) -> RunReport:
     """Spawn ``config.pp_size`` gloo ranks on 127.0.0.1, run ``steps`` steps of
-    the workload through the synchronous token path, and report."""
-    target = functools.partial(_sync_rank, config, steps, seed)
+    the workload through the synchronous token path (``backend`` None) or the
+    anyio services on ``backend``, and report."""
+    target = functools.partial(_rank, config, steps, seed, backend)
     # the whole run gets the collective timeout plus the time the steps take
     budget = config.timeout_s + steps * 0.01 * config.pp_size
     ranks = spawn_ranks(target, config.pp_size, timeout_s=budget)
-    return RunReport(config=config, steps=steps, seed=seed, mode="sync", ranks=ranks)
+    mode = "sync" if backend is None else "async"
+    return RunReport(config=config, steps=steps, seed=seed, mode=mode, ranks=ranks)
 
 
 def format_table(report: RunReport) -> str:

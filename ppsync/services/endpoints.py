@@ -1,0 +1,142 @@
+"""BroadcastService (last rank) and ReceiveService (every other rank).
+
+Each wraps one rank's :class:`~ppsync.core.handler.TokenPath` for an anyio
+event loop. Inputs are checked and a :class:`~ppsync.schemas.StepRecord` is
+validated before any collective; the collective is issued at once from the
+caller's task (issuing a gloo async op does not block), so the issue order is
+the engine's call order on every rank. Nothing here blocks the loop: every
+wait goes through :func:`ppsync.services.completion.completed`.
+
+One task per rank calls a service's methods, in the engine order of
+``ppsync.core.handler``.
+"""
+
+from __future__ import annotations
+
+import anyio
+import torch
+from anyio.abc import TaskStatus
+
+from ppsync.core.batch import BatchView
+from ppsync.core.checks import check_draft_target, check_step_drafts
+from ppsync.core.handler import TokenPath
+from ppsync.core.released import ReleasedStep
+from ppsync.errors import RoleError
+from ppsync.schemas.records import StepRecord
+from ppsync.services.completion import completed
+from ppsync.services.watcher import Issued, Watcher
+
+
+class _Service:
+    def __init__(self, path: TokenPath, *, last: bool) -> None:
+        if path.is_last != last:
+            raise RoleError(
+                f"{type(self).__name__} belongs to {'the last' if last else 'a non-last'} rank; "
+                f"group rank {path.rank} of pp_size {path.config.pp_size} is not"
+            )
+        self.path = path
+        self.peer = None if last else path.src
+        self.watcher = Watcher(
+            capacity=path.config.depth + 1, timeout_s=path.config.timeout_s,
+            rank=path.rank, peer=self.peer,
+        )
+        self.last_record: StepRecord | None = None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The service's task: watch issued transfers until :meth:`close`."""
+        await self.watcher.run(task_status=task_status)
+
+    def close(self) -> None:
+        """Issue nothing more; :meth:`run` returns once issued transfers
+        completed (or fails with their error)."""
+        self.watcher.close()
+
+    def _record(self, view: BatchView, needed: int, has_drafts: bool) -> None:
+        c = self.path.config
+        self.last_record = StepRecord.model_validate({
+            "step": self.path.steps,
+            "num_reqs": view.num_reqs,
+            "num_needed": needed,
+            "sample_width": c.sample_width,
+            "num_drafts": c.num_speculative_steps,
+            "has_drafts": has_drafts,
+        })
+
+    async def _before_issue(self) -> None:
+        """Await (not block on) any work the core would otherwise wait on."""
+        for work in self.path.works_before_issue():
+            await completed(work, timeout_s=self.path.config.timeout_s,
+                            what=f"rank {self.path.rank}: earlier transfer", peer=self.peer)
+
+    async def _watch_last_issue(self) -> None:
+        issue = self.path.last_issue
+        assert issue is not None
+        await self.watcher.watch(Issued(*issue))
+
+
+class BroadcastService(_Service):
+    """The last rank's side: validates each step and broadcasts its frame."""
+
+    def __init__(self, path: TokenPath) -> None:
+        super().__init__(path, last=True)
+
+    async def publish(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,  # [num_reqs, w] int64, 1 <= w <= L
+        num_sampled: torch.Tensor,  # [num_reqs] int32
+        num_rejected: torch.Tensor,  # [num_reqs] int32
+        draft_tokens: torch.Tensor | None = None,  # [num_reqs, K] int64
+    ) -> int:
+        """Broadcast one step; return once its frame is issued. Returns the
+        rows needing a sample (0: no transfer on any rank this step).
+
+        Bad input raises before anything is issued. Cancelled before the
+        issue: nothing was sent and the step can be published again.
+        Cancelled after it: the frame goes out; only its watching is lost."""
+        step = self.path.prepare(view, sampled_token_ids, num_sampled, num_rejected)
+        drafts_np = None if draft_tokens is None else check_step_drafts(
+            draft_tokens, num_reqs=view.num_reqs,
+            num_drafts=self.path.config.num_speculative_steps,
+        )
+        self._record(view, step.num_needed, drafts_np is not None)
+        await self._before_issue()
+        needed = self.path.send(step, drafts_np)
+        if needed:
+            await self._watch_last_issue()
+        return needed
+
+
+class ReceiveService(_Service):
+    """A non-last rank's side: posts each step's receive and releases the
+    step posted D steps ago (the consumer)."""
+
+    def __init__(self, path: TokenPath) -> None:
+        super().__init__(path, last=False)
+
+    async def post(self, view: BatchView) -> int:
+        """Post this step's receive; return once it is issued. Returns the
+        rows needing a sample (0: no transfer this step). Bad input raises
+        before anything is issued."""
+        needed = self.path.post(view)
+        self._record(view, needed, False)
+        if needed:
+            await self._watch_last_issue()
+        return needed
+
+    async def take(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
+        """Release the step posted D steps ago, once its transfer completed.
+
+        None for an empty slot or when every row is excluded (then it does not
+        wait). Cancelled while waiting: nothing was consumed, the ring is as
+        before, and take() may be called again."""
+        c = self.path.config
+        if draft_tokens_to_update is not None:
+            check_draft_target(draft_tokens_to_update, max_num_reqs=c.max_num_reqs,
+                               num_drafts=c.num_speculative_steps)
+        await self._before_issue()
+        work = self.path.head_work()
+        if work is not None:
+            await completed(work, timeout_s=c.timeout_s, peer=self.peer,
+                            what=f"rank {self.path.rank}: receive at the ring's head")
+        return self.path.consume(draft_tokens_to_update)

@@ -1,0 +1,125 @@
+"""The per-rank runtime: one token path and its service in one task group.
+
+Engine loop (one task per rank, every rank in the same order)::
+
+    async with open_rank(config, group) as rank:
+        while serving:
+            if not rank.is_last:
+                released = await rank.take()   # step T-D, freed rows are -1
+            for slot in freed_slots():
+                rank.free(slot)
+            batch = schedule()                 # identical on every rank
+            if rank.is_last:
+                await rank.publish(batch, tokens, num_sampled, num_rejected)
+            else:
+                await rank.post(batch)
+
+Leaving the block normally drains: it waits (bounded) for every issued
+transfer to complete, so no peer is left mid-collective. Leaving it by an
+exception or cancellation abandons in-flight slots (their buffers stay
+referenced by torch until gloo completes or fails them). A failure of a
+transfer watched in the background (a dead or silent peer) cancels the body
+and leaves the block as PeerLost or SyncTimeout itself, not wrapped in an
+exception group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from ppsync.core.batch import BatchView
+from ppsync.core.handler import TokenPath
+from ppsync.core.released import ReleasedStep
+from ppsync.errors import RoleError
+from ppsync.schemas.config import SyncConfig
+from ppsync.services.endpoints import BroadcastService, ReceiveService
+
+
+class Rank:
+    """What the engine holds inside ``open_rank``."""
+
+    def __init__(self, path: TokenPath, service: BroadcastService | ReceiveService) -> None:
+        self.path = path
+        self.service = service
+
+    @property
+    def is_last(self) -> bool:
+        return self.path.is_last
+
+    @property
+    def rank(self) -> int:
+        return self.path.rank
+
+    def free(self, req_idx: int) -> None:
+        """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
+        self.path.free(req_idx)
+
+    async def publish(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        draft_tokens: torch.Tensor | None = None,
+    ) -> int:
+        """Last rank: see :meth:`BroadcastService.publish`."""
+        if not isinstance(self.service, BroadcastService):
+            raise RoleError(f"publish() belongs to the last rank; group rank {self.rank} is not")
+        return await self.service.publish(
+            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens
+        )
+
+    async def post(self, view: BatchView) -> int:
+        """Non-last ranks: see :meth:`ReceiveService.post`."""
+        if not isinstance(self.service, ReceiveService):
+            raise RoleError(f"post() belongs to a non-last rank; group rank {self.rank} is last")
+        return await self.service.post(view)
+
+    async def take(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
+        """Non-last ranks: see :meth:`ReceiveService.take`."""
+        if not isinstance(self.service, ReceiveService):
+            raise RoleError(f"take() belongs to a non-last rank; group rank {self.rank} is last")
+        return await self.service.take(draft_tokens_to_update)
+
+
+def _single(eg: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one non-cancellation leaf of ``eg``, if there is exactly one."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [eg]
+    cancelled = anyio.get_cancelled_exc_class()
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        elif not isinstance(e, cancelled):
+            leaves.append(e)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+@asynccontextmanager
+async def open_rank(config: SyncConfig, group: dist.ProcessGroup) -> AsyncIterator[Rank]:
+    """Open this rank's token path over ``group`` (the dedicated token group)
+    and run its service in a task group for the duration of the block."""
+    path = TokenPath(config, group)
+    service: BroadcastService | ReceiveService = (
+        BroadcastService(path) if path.is_last else ReceiveService(path)
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            try:
+                yield Rank(path, service)
+            finally:
+                service.close()  # normal exit: run() drains what was issued
+    except BaseExceptionGroup as eg:
+        one = _single(eg)
+        if one is None:
+            raise
+        raise one from None
+    finally:
+        path.close(drain=False)
