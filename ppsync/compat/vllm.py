@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.aux_relay import AuxRelay
-from ppsync.core.batch import batch_view_of
+from ppsync.core.batch import batch_view_of, validate_batch
 from ppsync.core.checks import check_draft_table
 from ppsync.core.groups import token_group
 from ppsync.core.handler import PreparedStep, TokenPath
@@ -132,7 +132,7 @@ class PPHandler:
         when some row does not, or the step has no transfer at all."""
         view = batch_view_of(input_batch)
         needed = self._path.post(view)
-        return view.num_reqs > 0 and needed == view.num_reqs
+        return needed > 0
 
     # -- last rank --------------------------------------------------------------
 
@@ -183,6 +183,7 @@ class PPHandler:
                 "step, and broadcast_drafts() at most once per step"
             )
         view = batch_view_of(input_batch)
+        validate_batch(view, self.config.max_num_reqs)
         idx_np = held.view.idx_mapping_np
         if view.num_reqs != held.view.num_reqs:
             raise BatchError(
@@ -190,7 +191,7 @@ class PPHandler:
                 f"num_reqs = {held.view.num_reqs}; broadcast_drafts() takes broadcast()'s batch"
             )
         if not np.array_equal(view.idx_mapping_np, idx_np):
-            row = int(np.argmax(np.asarray(view.idx_mapping_np) != idx_np))
+            row = int(np.argmax(view.idx_mapping_np != idx_np))
             raise BatchError(
                 f"input_batch.idx_mapping[{row}] = {int(view.idx_mapping_np[row])} but the "
                 f"held step has {int(idx_np[row])}; broadcast_drafts() takes broadcast()'s batch"

@@ -60,7 +60,8 @@ def check_sampled(
     if num_reqs:
         if int(ns_np.min()) < 0 or int(ns_np.max()) > w:
             bad = (ns_np < 0) | (ns_np > w)
-            raise _first_bad("num_sampled", ns_np, bad, f"outside [0, w = {w}] (the sample width sent)")
+            rule = f"outside [0, w = {w}] (the sample width sent)"
+            raise _first_bad("num_sampled", ns_np, bad, rule)
         if int(nr_np.min()) < 0 or int(nr_np.max()) > num_drafts:
             bad = (nr_np < 0) | (nr_np > num_drafts)
             raise _first_bad(
@@ -84,11 +85,14 @@ def check_draft_table(
     return table_np
 
 
-def check_draft_target(draft_tokens_to_update: object, *, max_num_reqs: int, num_drafts: int) -> torch.Tensor:
+def check_draft_target(
+    draft_tokens_to_update: object, *, max_num_reqs: int, num_drafts: int
+) -> torch.Tensor:
     """Validate the table a consumer scatters drafts into; return it."""
     name = "draft_tokens_to_update"
     if not isinstance(draft_tokens_to_update, torch.Tensor):
-        raise BatchError(f"{name} must be a torch.Tensor, got {type(draft_tokens_to_update).__name__}")
+        got = type(draft_tokens_to_update).__name__
+        raise BatchError(f"{name} must be a torch.Tensor, got {got}")
     if num_drafts == 0:
         raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
     shape = tuple(draft_tokens_to_update.shape)

@@ -31,7 +31,8 @@ class GenerationTable:
 
     def snapshot(self, idx_mapping_np: np.ndarray) -> np.ndarray:
         """[num_reqs] int64: the current generation of each row's slot."""
-        return self._gen_np[idx_mapping_np]
+        snap: np.ndarray = self._gen_np[idx_mapping_np]
+        return snap
 
     def unchanged(self, idx_mapping_np: np.ndarray, snapshot_np: np.ndarray) -> np.ndarray:
         """[num_reqs] bool: rows whose slot was not freed since ``snapshot``."""

@@ -32,7 +32,9 @@ def _timeout(timeout_s: float) -> datetime.timedelta:
 def token_group(pp_group: dist.ProcessGroup, *, timeout_s: float) -> dist.ProcessGroup:
     """A new group with ``pp_group``'s ranks; collective over its members only."""
     ranks = dist.get_process_group_ranks(pp_group)
-    group = dist.new_group(ranks, timeout=_timeout(timeout_s), use_local_synchronization=True)
+    group: dist.ProcessGroup | None = dist.new_group(
+        ranks, timeout=_timeout(timeout_s), use_local_synchronization=True
+    )
     assert group is not None  # this rank is a member of pp_group
     return group
 

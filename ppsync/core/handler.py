@@ -125,16 +125,14 @@ class TokenPath:
     def _prune(self) -> None:
         """Drop completed works; wait the oldest while more than D are held."""
         inflight = self._inflight
-        while inflight and inflight[0][1].is_completed():
-            buf, work = inflight.popleft()
-            self._wait(work, "earlier transfer")
-        while len(inflight) > self.config.depth:
-            buf, work = inflight.popleft()
+        while inflight and (inflight[0][1].is_completed() or len(inflight) > self.config.depth):
+            _, work = inflight.popleft()
             self._wait(work, "earlier transfer")
 
     def _wait(self, work: dist.Work, what: str) -> None:
         peer = None if self.is_last else self.src
-        wait_work(work, timeout_s=self.config.timeout_s, what=f"rank {self.rank}: {what}", peer=peer)
+        wait_work(work, timeout_s=self.config.timeout_s, what=f"rank {self.rank}: {what}",
+                  peer=peer)
 
     # -- last rank --------------------------------------------------------
 

@@ -31,7 +31,7 @@ _LOST_MARKERS = (
 
 def broadcast_async(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
     """Post one broadcast of ``buf`` from global rank ``src``; never blocks."""
-    work = dist.broadcast(buf, src=src, group=group, async_op=True)
+    work: dist.Work | None = dist.broadcast(buf, src=src, group=group, async_op=True)
     assert work is not None  # async_op=True always returns a handle
     return work
 

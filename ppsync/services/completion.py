@@ -16,6 +16,8 @@ schedules ``set`` on this same loop, which is harmless.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
 import anyio
@@ -29,13 +31,16 @@ from ppsync.errors import SyncTimeout
 def _loop_waker(event: anyio.Event) -> Callable[[], None]:
     """A function any thread may call to set ``event`` on the current loop."""
     native = anyio.lowlevel.current_token().native_token
-    run_soon = getattr(native, "run_sync_soon", None) or native.call_soon_threadsafe
+    # asyncio: the loop's call_soon_threadsafe; trio: TrioToken.run_sync_soon
+    run_soon: Callable[[Callable[[], object]], object] = (
+        native.call_soon_threadsafe
+        if isinstance(native, asyncio.AbstractEventLoop)
+        else getattr(native, "run_sync_soon")  # noqa: B009  (trio is optional)
+    )
 
     def wake() -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
             run_soon(event.set)
-        except RuntimeError:
-            pass  # the loop has closed: nobody waits any more
 
     return wake
 

@@ -30,7 +30,9 @@ from ppsync.services.workload import ScheduledStep, Workload, WorkloadConfig
 Backend = Literal["asyncio", "trio"]
 
 
-def workload_config(config: SyncConfig, *, steps: int, seed: int, **knobs: object) -> WorkloadConfig:
+def workload_config(
+    config: SyncConfig, *, steps: int, seed: int, **knobs: object
+) -> WorkloadConfig:
     """The workload matching a token path configuration."""
     return WorkloadConfig(
         max_num_reqs=config.max_num_reqs,

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
@@ -96,7 +96,7 @@ def spawn_ranks(
     raised or died, :class:`SyncTimeout` if the run passed ``timeout_s`` (the
     collectives' own timeout) plus a grace period; every child is gone when
     this returns or raises."""
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # "fork" or "spawn"; typeshed lacks .Process
     port = free_port()
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}

@@ -39,8 +39,8 @@ def run_local(
     # the whole run gets the collective timeout plus the time the steps take
     budget = config.timeout_s + steps * 0.01 * config.pp_size
     ranks = spawn_ranks(target, config.pp_size, timeout_s=budget)
-    mode = "sync" if backend is None else "async"
-    return RunReport(config=config, steps=steps, seed=seed, mode=mode, ranks=ranks)
+    return RunReport(config=config, steps=steps, seed=seed,
+                     mode="sync" if backend is None else "async", ranks=ranks)
 
 
 def format_table(report: RunReport) -> str:

@@ -204,7 +204,7 @@ class Workload:
             r for s, r in sorted(self.live.items())
             if r.req_id % self.depth == lane and not r.in_flight
         ]
-        rng.shuffle(reqs)  # type: ignore[arg-type]
+        rng.shuffle(reqs)
         n = len(reqs)
         req_ids = np.array([r.req_id for r in reqs], dtype=np.int64)
         slots = np.array([r.slot for r in reqs], dtype=np.int64)

@@ -1,0 +1,8 @@
+"""anyio services: BroadcastService (last rank), ReceiveService (other ranks),
+the per-rank runtime ``open_rank``, the synthetic workload and the local
+launcher."""
+
+from ppsync.services.endpoints import BroadcastService, ReceiveService
+from ppsync.services.runtime import Rank, open_rank
+
+__all__ = ["BroadcastService", "Rank", "ReceiveService", "open_rank"]
