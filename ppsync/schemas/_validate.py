@@ -21,8 +21,12 @@ def describe(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<record>"
-        value = e.get("input")
-        parts.append(f"{field} = {value!r}: {e['msg']}")
+        if e["type"] == "missing":
+            parts.append(f"{field}: required, not given")
+        elif field == "<record>":
+            parts.append(e["msg"].removeprefix("Value error, "))
+        else:
+            parts.append(f"{field} = {e.get('input')!r}: {e['msg']}")
     return "; ".join(parts)
 
 

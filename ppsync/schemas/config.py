@@ -28,7 +28,8 @@ WireMode = Literal["fixed", "exact"]
 class SyncConfig(BaseModel):
     """What every rank of one PP group must agree on."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no bool-as-int, no numeric strings; every rank must mean the same
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     pp_size: int = Field(ge=1, le=1024)
     """Number of ranks in the PP group (P)."""

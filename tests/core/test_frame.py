@@ -1,0 +1,321 @@
+"""ppsync.core.frame: FrameCodec pack/check and the idx_mapping digest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from ppsync.core.frame import HEADER_WORDS, FrameCodec, FrameView
+from ppsync.errors import DesyncError
+from ppsync.schemas.config import SyncConfig, WireMode
+from ppsync.schemas.records import FLAG_EXACT, FLAG_HAS_DRAFTS, FRAME_FORMAT_VERSION
+
+MAX_NUM_REQS = 6
+
+
+def _codec(k: int = 0, wire: WireMode = "fixed", max_num_reqs: int = MAX_NUM_REQS) -> FrameCodec:
+    return FrameCodec(
+        SyncConfig.build(
+            pp_size=2, max_num_reqs=max_num_reqs, num_speculative_steps=k, wire=wire
+        )
+    )
+
+
+@dataclass
+class Step:
+    view: FrameView
+    idx_np: np.ndarray  # [num_reqs] int64
+    tokens_np: np.ndarray  # [num_reqs, w] int64
+    num_sampled_np: np.ndarray  # [num_reqs] int32
+    num_rejected_np: np.ndarray  # [num_reqs] int32
+    drafts_np: np.ndarray | None  # [num_reqs, K] int64
+
+
+def _step(
+    codec: FrameCodec, *, seq: int = 0, num_reqs: int = 3, w: int | None = None,
+    drafts: bool = True, seed: int = 0,
+) -> Step:
+    rng = np.random.default_rng(seed)
+    L, K = codec.sample_width, codec.num_drafts
+    w = L if w is None else w
+    idx = rng.permutation(codec.max_num_reqs)[:num_reqs].astype(np.int64)
+    return Step(
+        view=FrameView(seq, num_reqs, codec.idx_digest(idx)),
+        idx_np=idx,
+        tokens_np=rng.integers(0, 150_000, (num_reqs, w), dtype=np.int64),
+        num_sampled_np=rng.integers(0, w + 1, num_reqs).astype(np.int32),
+        num_rejected_np=rng.integers(0, K + 1, num_reqs).astype(np.int32),
+        drafts_np=rng.integers(0, 150_000, (num_reqs, K), dtype=np.int64)
+        if drafts and K else None,
+    )
+
+
+def _pack(codec: FrameCodec, step: Step) -> np.ndarray:
+    buf_np = codec.new_buffer(step.view.num_reqs).numpy()
+    buf_np[:] = 0x7777  # stale bytes: pack must overwrite everything it uses
+    codec.pack(buf_np, step.view, step.tokens_np, step.num_sampled_np, step.num_rejected_np,
+               step.drafts_np)
+    return buf_np
+
+
+# -- sizes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_fixed_wire_is_sized_for_max_num_reqs(k: int) -> None:
+    codec = _codec(k)
+    assert codec.row_width == (k + 1) + 2 + k
+    for n in (0, 1, MAX_NUM_REQS):
+        assert codec.words(n) == HEADER_WORDS + MAX_NUM_REQS * codec.row_width
+        assert codec.new_buffer(n).numel() == codec.words(n)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_exact_wire_is_sized_for_num_reqs(k: int) -> None:
+    codec = _codec(k, "exact")
+    for n in (0, 1, MAX_NUM_REQS):
+        assert codec.words(n) == HEADER_WORDS + n * codec.row_width
+        assert codec.new_buffer(n).numel() == codec.words(n)
+
+
+# -- round trip ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wire", ["fixed", "exact"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_round_trip(k: int, wire: WireMode) -> None:
+    codec = _codec(k, wire)
+    step = _step(codec, seq=11, num_reqs=4)
+    buf_np = _pack(codec, step)
+
+    flags = codec.check(buf_np.copy(), step.view, rank=0)
+    expected_flags = (FLAG_EXACT if wire == "exact" else 0) | (FLAG_HAS_DRAFTS if k else 0)
+    assert flags == expected_flags
+
+    rows = codec.rows(buf_np, 4)
+    L = k + 1
+    np.testing.assert_array_equal(rows[:, :L], step.tokens_np)
+    np.testing.assert_array_equal(rows[:, L], step.num_sampled_np)
+    np.testing.assert_array_equal(rows[:, L + 1], step.num_rejected_np)
+    assert step.drafts_np is not None or k == 0
+    if step.drafts_np is not None:
+        np.testing.assert_array_equal(rows[:, L + 2 :], step.drafts_np)
+
+    head = codec.header_dict(buf_np)
+    assert head["version"] == FRAME_FORMAT_VERSION
+    assert head["seq"] == 11
+    assert head["num_reqs"] == 4
+    assert head["sample_width"] == L
+    assert head["num_drafts"] == k
+    assert head["flags"] == expected_flags
+    assert head["idx_digest"] == codec.idx_digest(step.idx_np)
+
+
+@pytest.mark.parametrize("w", [1, 2, 3])
+def test_narrow_tokens_are_padded_with_minus_one(w: int) -> None:
+    codec = _codec(3)  # L = 4
+    step = _step(codec, num_reqs=3, w=w)
+    buf_np = _pack(codec, step)
+    codec.check(buf_np, step.view, rank=1)
+    rows = codec.rows(buf_np, 3)
+    np.testing.assert_array_equal(rows[:, :w], step.tokens_np)
+    assert (rows[:, w:4] == -1).all()
+    np.testing.assert_array_equal(rows[:, 4], step.num_sampled_np)
+
+
+@pytest.mark.parametrize("wire", ["fixed", "exact"])
+def test_missing_drafts_clear_the_flag_and_columns(wire: WireMode) -> None:
+    codec = _codec(3, wire)
+    step = _step(codec, num_reqs=2, drafts=False)
+    assert step.drafts_np is None
+    buf_np = _pack(codec, step)
+    flags = codec.check(buf_np, step.view, rank=0)
+    assert not flags & FLAG_HAS_DRAFTS
+    assert bool(flags & FLAG_EXACT) == (wire == "exact")
+    assert (codec.rows(buf_np, 2)[:, 4 + 2 :] == -1).all()
+
+
+def test_no_drafts_without_speculation() -> None:
+    codec = _codec(0)
+    step = _step(codec, num_reqs=3)
+    assert step.drafts_np is None
+    assert codec.check(_pack(codec, step), step.view, rank=0) == 0
+    assert codec.rows(np.zeros(codec.words(3), dtype=np.int64), 3).shape == (3, 3)
+
+
+def test_int32_inputs_are_widened() -> None:
+    codec = _codec(1)
+    step = _step(codec, num_reqs=2)
+    assert step.drafts_np is not None
+    step = Step(step.view, step.idx_np, step.tokens_np.astype(np.int32), step.num_sampled_np,
+                step.num_rejected_np, step.drafts_np.astype(np.int32))
+    buf_np = _pack(codec, step)
+    codec.check(buf_np, step.view, rank=0)
+    np.testing.assert_array_equal(codec.rows(buf_np, 2)[:, :2], step.tokens_np)
+
+
+def test_empty_step_round_trip() -> None:
+    codec = _codec(2, "exact")
+    step = _step(codec, num_reqs=0)
+    buf_np = _pack(codec, step)
+    assert buf_np.shape == (HEADER_WORDS,)
+    assert codec.check(buf_np, step.view, rank=0) == FLAG_EXACT | FLAG_HAS_DRAFTS
+
+
+def test_many_random_frames_round_trip_without_warnings() -> None:
+    # The checksum is int64 arithmetic that wraps by design: numpy must not warn
+    # (pytest turns warnings into errors) whatever the words are.
+    codec = _codec(2)
+    for seed in range(64):
+        step = _step(codec, seq=seed, num_reqs=1 + seed % MAX_NUM_REQS, seed=seed)
+        buf_np = _pack(codec, step)
+        assert codec.check(buf_np, step.view, rank=0) == FLAG_HAS_DRAFTS
+
+
+def test_unused_rows_of_a_fixed_frame_are_not_checked() -> None:
+    codec = _codec(1)
+    step = _step(codec, num_reqs=2)
+    buf_np = _pack(codec, step)
+    used = HEADER_WORDS + 2 * codec.row_width
+    buf_np[used:] = 12345
+    assert codec.check(buf_np, step.view, rank=0) == FLAG_HAS_DRAFTS
+
+
+# -- check failures ------------------------------------------------------------
+
+
+def _desync(codec: FrameCodec, buf_np: np.ndarray, view: FrameView, match: str) -> DesyncError:
+    with pytest.raises(DesyncError, match=match) as info:
+        codec.check(buf_np, view, rank=2)
+    err = info.value
+    assert str(err).startswith("rank 2: ")
+    assert err.expected["version"] == FRAME_FORMAT_VERSION
+    return err
+
+
+def test_wrong_seq_shows_both_views() -> None:
+    codec = _codec(2)
+    step = _step(codec, seq=5)
+    buf_np = _pack(codec, step)
+    mine = FrameView(6, step.view.num_reqs, step.view.idx_digest)
+    err = _desync(codec, buf_np, mine, r"seq: mine 6 vs sender 5")
+    assert err.expected["seq"] == 6
+    assert err.received["seq"] == 5
+    # only the disagreeing field is listed
+    assert "num_reqs:" not in str(err)
+    assert err.expected["num_reqs"] == err.received["num_reqs"] == step.view.num_reqs
+
+
+def test_wrong_num_reqs_shows_both_views() -> None:
+    codec = _codec(2)  # fixed wire: both sides' buffers have one shape
+    step = _step(codec, num_reqs=3)
+    buf_np = _pack(codec, step)
+    mine = FrameView(step.view.seq, 4, step.view.idx_digest)
+    err = _desync(codec, buf_np, mine, r"num_reqs: mine 4 vs sender 3")
+    assert err.expected["num_reqs"] == 4
+    assert err.received["num_reqs"] == 3
+
+
+def test_wrong_idx_digest_shows_both_views() -> None:
+    codec = _codec(2)
+    step = _step(codec, num_reqs=3)
+    buf_np = _pack(codec, step)
+    other = codec.idx_digest(step.idx_np[::-1].copy())
+    mine = FrameView(step.view.seq, 3, other)
+    err = _desync(
+        codec, buf_np, mine, rf"idx_digest: mine {other} vs sender {step.view.idx_digest}"
+    )
+    assert err.expected["idx_digest"] == other
+    assert err.received["idx_digest"] == step.view.idx_digest
+
+
+def test_several_disagreements_are_all_listed() -> None:
+    codec = _codec(0)
+    step = _step(codec, seq=1, num_reqs=2)
+    buf_np = _pack(codec, step)
+    err = _desync(codec, buf_np, FrameView(9, 5, step.view.idx_digest + 1),
+                  r"seq: mine 9 vs sender 1, num_reqs: mine 5 vs sender 2, idx_digest:")
+    assert err.received["seq"] == 1
+
+
+def test_other_speculation_width_is_a_desync() -> None:
+    sender = _codec(3)
+    receiver = _codec(2)
+    step = _step(sender, num_reqs=2)
+    buf_np = _pack(sender, step)
+    err = _desync(receiver, buf_np, step.view,
+                  r"sample_width: mine 3 vs sender 4, num_drafts: mine 2 vs sender 3")
+    assert err.expected["num_drafts"] == 2
+    assert err.received["num_drafts"] == 3
+
+
+def test_bad_magic_is_a_version_desync() -> None:
+    codec = _codec(1)
+    step = _step(codec)
+    buf_np = _pack(codec, step)
+    buf_np[0] = 0  # not a ppsync frame at all
+    err = _desync(codec, buf_np, step.view, rf"version: mine {FRAME_FORMAT_VERSION} vs sender -1")
+    assert err.received["version"] == -1
+
+
+@pytest.mark.parametrize("wire", ["fixed", "exact"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_any_flipped_payload_word_fails_the_checksum(k: int, wire: WireMode) -> None:
+    codec = _codec(k, wire)
+    step = _step(codec, seq=4, num_reqs=3)
+    buf_np = _pack(codec, step)
+    used = HEADER_WORDS + 3 * codec.row_width
+    for pos in range(HEADER_WORDS, used):
+        bad = buf_np.copy()
+        bad[pos] ^= 1 << (pos % 63)
+        err = _desync(codec, bad, step.view, r"frame seq 4 fails its payload checksum")
+        # the header agrees; both views are still shown
+        assert err.expected["seq"] == err.received["seq"] == 4
+        assert "checksum" in err.received
+
+
+def test_flipped_flags_word_fails_the_checksum() -> None:
+    codec = _codec(2)
+    step = _step(codec)
+    buf_np = _pack(codec, step)
+    buf_np[5] ^= FLAG_HAS_DRAFTS  # the flags word is not compared, only checksummed
+    _desync(codec, buf_np, step.view, r"fails its payload checksum")
+
+
+def test_corrupt_checksum_word_fails() -> None:
+    codec = _codec(2)
+    step = _step(codec)
+    buf_np = _pack(codec, step)
+    buf_np[HEADER_WORDS - 1] ^= 1
+    err = _desync(codec, buf_np, step.view, r"fails its payload checksum")
+    assert err.received["checksum"] == int(buf_np[HEADER_WORDS - 1])
+
+
+# -- idx digest ------------------------------------------------------------------
+
+
+def test_idx_digest_is_deterministic_across_codecs() -> None:
+    idx = np.array([4, 0, 2], dtype=np.int64)
+    assert _codec(0).idx_digest(idx) == _codec(3, "exact").idx_digest(idx)
+    assert _codec(0).idx_digest(idx) == _codec(0).idx_digest(idx.astype(np.int32))
+
+
+def test_idx_digest_differs_for_permuted_idx_mapping() -> None:
+    codec = _codec()
+    idx = np.array([4, 0, 2, 5], dtype=np.int64)
+    digests = {codec.idx_digest(idx)}
+    rng = np.random.default_rng(7)
+    perms = {tuple(int(x) for x in rng.permutation(idx)) for _ in range(40)}
+    perms.discard(tuple(int(x) for x in idx))
+    for perm in perms:
+        digests.add(codec.idx_digest(np.array(perm, dtype=np.int64)))
+    assert len(digests) == len(perms) + 1
+
+
+def test_idx_digest_tells_apart_prefixes_and_zero_slots() -> None:
+    codec = _codec()
+    assert codec.idx_digest(np.array([0])) != codec.idx_digest(np.array([], dtype=np.int64))
+    assert codec.idx_digest(np.array([0, 1])) != codec.idx_digest(np.array([0]))
+    assert codec.idx_digest(np.array([1, 2])) != codec.idx_digest(np.array([1, 3]))
