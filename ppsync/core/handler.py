@@ -16,6 +16,7 @@ rank raises there and leaves the group usable. Every wait is bounded by
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,11 +29,20 @@ from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
+from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 from ppsync.core.transport import broadcast_async, wait_work
-from ppsync.errors import BatchError, ConfigError, ProtocolError, RoleError
+from ppsync.errors import (
+    BatchError,
+    ConfigError,
+    PeerLost,
+    PPSyncError,
+    ProtocolError,
+    RoleError,
+    SyncTimeout,
+)
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_HAS_DRAFTS
 
@@ -68,7 +78,15 @@ class TokenPath:
     """One rank's synchronous token path over ``group`` (the dedicated token
     group: same ranks as the PP group, last group rank samples)."""
 
-    def __init__(self, config: SyncConfig, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        config: SyncConfig,
+        group: dist.ProcessGroup,
+        *,
+        board: FailureBoard | None = None,
+    ) -> None:
+        """``board``: where ranks post failures so survivors can name the lost
+        peer (see ppsync.core.liveness); None = errors cannot name it."""
         size = dist.get_world_size(group)
         if size != config.pp_size:
             raise ConfigError(
@@ -79,6 +97,7 @@ class TokenPath:
         self.rank = dist.get_rank(group)
         self.is_last = self.rank == config.pp_size - 1
         self.src = dist.get_global_rank(group, config.pp_size - 1)
+        self.board = board
         self.codec = FrameCodec(config)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
@@ -130,9 +149,42 @@ class TokenPath:
             self._wait(work, "earlier transfer")
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait at most timeout_s; with a board, in slices, so that a failure
+        any rank posted ends this wait within about a slice."""
         peer = None if self.is_last else self.src
-        wait_work(work, timeout_s=self.config.timeout_s, what=f"rank {self.rank}: {what}",
-                  peer=peer)
+        what = f"rank {self.rank}: {what}"
+        timeout = self.config.timeout_s
+        if self.board is None:
+            wait_work(work, timeout_s=timeout, what=what, peer=peer)
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                wait_work(work, timeout_s=max(0.001, min(left, self.board.slice_s)),
+                          what=what, peer=peer)
+                return
+            except SyncTimeout as e:
+                if left <= self.board.slice_s:
+                    raise self.failed(SyncTimeout(f"{what}: no completion within "
+                                                  f"timeout_s = {timeout}")) from e
+                if self.board.anyone_failed():
+                    raise self.failed(PeerLost(f"{what}: another rank reported a failure")) from e
+            except PeerLost as e:
+                raise self.failed(e) from e
+
+    def failed(self, err: PPSyncError) -> PPSyncError:
+        """Post ``err`` on the board and return it naming the lost peers (the
+        ranks that never posted), when there is a board."""
+        if self.board is None:
+            return err
+        self.board.post(f"rank {self.rank}: {err}")
+        lost = self.board.lost()
+        if not lost:
+            return err
+        names = ", ".join(str(r) for r in lost)
+        return PeerLost(f"lost peer rank(s) {names} (global); first seen here as "
+                        f"{type(err).__name__}: {err}", peer=lost[0])
 
     # -- last rank --------------------------------------------------------
 

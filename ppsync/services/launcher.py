@@ -19,7 +19,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from ppsync.core.liveness import FailureBoard
 from ppsync.errors import RankFailed, SyncTimeout
 
 R = TypeVar("R")
@@ -35,11 +37,20 @@ def free_port() -> int:
 
 @dataclass(frozen=True, slots=True)
 class RankEnv:
-    """What a rank process knows when its target starts: the world is up."""
+    """What a rank process knows when its target starts: the world is up.
+
+    ``store`` is a client of the run's store, which the parent process hosts,
+    so it outlives any rank (a failure board can live there)."""
 
     rank: int
     world_size: int
     timeout_s: float
+    store: Store
+
+    def failure_board(self, group: dist.ProcessGroup) -> FailureBoard:
+        """A failure board for ``group`` in the run's store."""
+        ranks = dist.get_process_group_ranks(group)
+        return FailureBoard(self.store, ranks=ranks, me=self.rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +69,16 @@ def _child(job: _Job[R], conn: Connection) -> None:
     code = 0
     try:
         os.environ.update(job.env)
+        timeout = datetime.timedelta(seconds=job.timeout_s)
+        store = TCPStore("127.0.0.1", job.port, is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{job.port}",
+            store=PrefixStore("world", store),
             rank=job.rank,
             world_size=job.world_size,
-            timeout=datetime.timedelta(seconds=job.timeout_s),
+            timeout=timeout,
         )
-        result = job.target(RankEnv(job.rank, job.world_size, job.timeout_s))
+        result = job.target(RankEnv(job.rank, job.world_size, job.timeout_s, store))
         conn.send(("ok", result))
     except Exception as e:  # reported to the parent, which re-raises
         code = 1
@@ -97,7 +110,10 @@ def spawn_ranks(
     collectives' own timeout) plus a grace period; every child is gone when
     this returns or raises."""
     ctx: Any = mp.get_context(start_method)  # "fork" or "spawn"; typeshed lacks .Process
-    port = free_port()
+    # The parent hosts the store: it outlives any rank that dies.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    port = store.port
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
     results: dict[int, R] = {}

@@ -25,7 +25,7 @@ def _rank(
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
     wcfg = workload_config(config, steps=steps, seed=seed)
     if backend is None:
-        return run_sync_rank(TokenPath(config, group), wcfg)
+        return run_sync_rank(TokenPath(config, group, board=env.failure_board(group)), wcfg)
     return run_async_rank_blocking(config, group, wcfg, backend)
 
 

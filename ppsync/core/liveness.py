@@ -1,0 +1,83 @@
+"""Naming the lost peer: a failure board in a torch.distributed store.
+
+When a rank dies, gloo tells only the ranks directly connected to it (within
+~10 ms), and their messages name an address, not a rank; the other ranks just
+see silence until their timeout. So every rank that sees a transfer fail
+*posts* on the board, and every rank that waits checks the board once per
+``slice_s``: a failure anywhere reaches every survivor within about a second,
+and the ranks that never posted, after a short grace, are the lost ones.
+
+The store must outlive any rank: the local launcher hosts it in the parent
+process; under torchrun the agent's store does. Without a board, errors still
+come typed and bounded, but cannot name the lost peer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from torch._C._distributed_c10d import Store  # dist.Store, in a form mypy resolves
+
+
+class FailureBoard:
+    """Failure notices of one group's ranks (``ranks``: global ranks)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ranks: Sequence[int],
+        me: int,
+        grace_s: float = 2.0,
+        slice_s: float = 1.0,
+        namespace: str = "ppsync",
+    ) -> None:
+        self.store = store
+        self.ranks = list(ranks)
+        self.me = me
+        self.grace_s = grace_s
+        self.slice_s = slice_s
+        group_id = "-".join(str(r) for r in self.ranks)
+        self._prefix = f"{namespace}/failed/{group_id}"
+        self._count = f"{self._prefix}/count"
+        self._posted = False
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}/{rank}"
+
+    def post(self, message: str) -> None:
+        """Say, once, that this rank saw a failure. Never raises: the store
+        may be gone too."""
+        if self._posted:
+            return
+        self._posted = True
+        try:
+            self.store.set(self._key(self.me), message)
+            self.store.add(self._count, 1)
+        except Exception:  # a dead store must not mask the real error
+            pass
+
+    def anyone_failed(self) -> bool:
+        """Whether any rank of the group has posted (one store round trip)."""
+        try:
+            return int(self.store.add(self._count, 0)) > 0
+        except Exception:
+            return False
+
+    def posted(self) -> list[int]:
+        try:
+            return [r for r in self.ranks if self.store.check([self._key(r)])]
+        except Exception:
+            return []
+
+    def lost(self) -> list[int]:
+        """The ranks that have not posted once every survivor had the chance:
+        waits until all but one posted, at most ``grace_s``."""
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            seen = set(self.posted())
+            missing = [r for r in self.ranks if r not in seen and r != self.me]
+            if len(missing) <= 1 or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.05)
