@@ -22,10 +22,13 @@ from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import torch.distributed as dist
 
+from ppsync.core.handler import TokenPath
+from ppsync.core.liveness import FailureBoard
 from ppsync.core.transport import wait_work
-from ppsync.errors import SyncTimeout
+from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 
 
 def _loop_waker(event: anyio.Event) -> Callable[[], None]:
@@ -45,9 +48,17 @@ def _loop_waker(event: anyio.Event) -> Callable[[], None]:
     return wake
 
 
-async def completed(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
+async def completed(
+    work: dist.Work,
+    *,
+    timeout_s: float,
+    what: str,
+    peer: int | None,
+    board: FailureBoard | None = None,
+) -> None:
     """Return once ``work`` has completed, without blocking the loop; raise
-    SyncTimeout after ``timeout_s`` and PeerLost if the transfer failed.
+    SyncTimeout after ``timeout_s`` and PeerLost if the transfer failed or,
+    with a ``board``, as soon as another rank posted a failure there.
 
     Cancellation leaves the work untouched (it still completes in the
     background and its owner keeps its buffer alive)."""
@@ -55,12 +66,28 @@ async def completed(work: dist.Work, *, timeout_s: float, what: str, peer: int |
         event = anyio.Event()
         wake = _loop_waker(event)
         work.get_future().add_done_callback(lambda _fut: wake())
-        try:
-            with anyio.fail_after(timeout_s):
+        deadline = anyio.current_time() + timeout_s
+        step = timeout_s if board is None else board.slice_s
+        while not event.is_set():
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s}")
+            with anyio.move_on_after(min(left, step)):
                 await event.wait()
-        except TimeoutError:
-            raise SyncTimeout(
-                f"{what}: no completion within timeout_s = {timeout_s}"
-            ) from None
+            if not event.is_set() and board is not None and board.anyone_failed():
+                raise PeerLost(f"{what}: another rank reported a failure", peer=None)
     # Completed: this returns at once, or raises the transfer's own error.
     wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
+
+
+async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
+    """:func:`completed` for one of ``path``'s transfers; a failure is posted
+    on the path's board and re-raised naming the lost peers."""
+    try:
+        await completed(
+            work, timeout_s=path.config.timeout_s, what=f"rank {path.rank}: {what}",
+            peer=None if path.is_last else path.src, board=path.board,
+        )
+    except PPSyncError as e:
+        # naming waits up to the board's grace for the survivors: off the loop
+        raise await anyio.to_thread.run_sync(path.failed, e) from e

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.handler import TokenPath
+from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
@@ -136,10 +137,13 @@ def run_sync_rank(path: TokenPath, wcfg: WorkloadConfig) -> RankReport:
 
 
 async def run_async_rank(
-    config: SyncConfig, group: dist.ProcessGroup, wcfg: WorkloadConfig
+    config: SyncConfig,
+    group: dist.ProcessGroup,
+    wcfg: WorkloadConfig,
+    board: FailureBoard | None = None,
 ) -> RankReport:
     """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services."""
-    async with open_rank(config, group) as rank:
+    async with open_rank(config, group, board=board) as rank:
         loop = StepLoop(wcfg, rank.is_last)
         for t in range(loop.total_steps):
             spent = 0
@@ -159,7 +163,11 @@ async def run_async_rank(
 
 
 def run_async_rank_blocking(
-    config: SyncConfig, group: dist.ProcessGroup, wcfg: WorkloadConfig, backend: Backend
+    config: SyncConfig,
+    group: dist.ProcessGroup,
+    wcfg: WorkloadConfig,
+    backend: Backend,
+    board: FailureBoard | None = None,
 ) -> RankReport:
     """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
-    return anyio.run(run_async_rank, config, group, wcfg, backend=backend)
+    return anyio.run(run_async_rank, config, group, wcfg, board, backend=backend)

@@ -23,7 +23,7 @@ from ppsync.core.handler import TokenPath
 from ppsync.core.released import ReleasedStep
 from ppsync.errors import RoleError
 from ppsync.schemas.records import StepRecord
-from ppsync.services.completion import completed
+from ppsync.services.completion import path_completed
 from ppsync.services.watcher import Issued, Watcher
 
 
@@ -35,11 +35,7 @@ class _Service:
                 f"group rank {path.rank} of pp_size {path.config.pp_size} is not"
             )
         self.path = path
-        self.peer = None if last else path.src
-        self.watcher = Watcher(
-            capacity=path.config.depth + 1, timeout_s=path.config.timeout_s,
-            rank=path.rank, peer=self.peer,
-        )
+        self.watcher = Watcher(path, capacity=path.config.depth + 1)
         self.last_record: StepRecord | None = None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -65,8 +61,7 @@ class _Service:
     async def _before_issue(self) -> None:
         """Await (not block on) any work the core would otherwise wait on."""
         for work in self.path.works_before_issue():
-            await completed(work, timeout_s=self.path.config.timeout_s,
-                            what=f"rank {self.path.rank}: earlier transfer", peer=self.peer)
+            await path_completed(self.path, work, "earlier transfer")
 
     async def _watch_last_issue(self) -> None:
         issue = self.path.last_issue
@@ -137,6 +132,5 @@ class ReceiveService(_Service):
         await self._before_issue()
         work = self.path.head_work()
         if work is not None:
-            await completed(work, timeout_s=c.timeout_s, peer=self.peer,
-                            what=f"rank {self.path.rank}: receive at the ring's head")
+            await path_completed(self.path, work, "receive at the ring's head")
         return self.path.consume(draft_tokens_to_update)

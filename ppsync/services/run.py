@@ -24,9 +24,10 @@ def _rank(
 ) -> RankReport:
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
     wcfg = workload_config(config, steps=steps, seed=seed)
+    board = env.failure_board(group)
     if backend is None:
-        return run_sync_rank(TokenPath(config, group, board=env.failure_board(group)), wcfg)
-    return run_async_rank_blocking(config, group, wcfg, backend)
+        return run_sync_rank(TokenPath(config, group, board=board), wcfg)
+    return run_async_rank_blocking(config, group, wcfg, backend, board)
 
 
 def run_local(

@@ -34,8 +34,9 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.handler import TokenPath
+from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
-from ppsync.errors import RoleError
+from ppsync.errors import PeerLost, PPSyncError, RoleError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 
@@ -87,8 +88,11 @@ class Rank:
         return await self.service.take(draft_tokens_to_update)
 
 
-def _single(eg: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one non-cancellation leaf of ``eg``, if there is exactly one."""
+def _primary(eg: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The exception to raise instead of ``eg``: its one non-cancellation
+    leaf; or, when every leaf is a PPSyncError (the watcher and the engine's
+    call often see the same failure), the one naming a lost peer, else the
+    first. None when ``eg`` mixes in other errors: then it is raised whole."""
     leaves: list[BaseException] = []
     stack: list[BaseException] = [eg]
     cancelled = anyio.get_cancelled_exc_class()
@@ -98,14 +102,22 @@ def _single(eg: BaseExceptionGroup[BaseException]) -> BaseException | None:
             stack.extend(e.exceptions)
         elif not isinstance(e, cancelled):
             leaves.append(e)
-    return leaves[0] if len(leaves) == 1 else None
+    if len(leaves) == 1:
+        return leaves[0]
+    if not leaves or not all(isinstance(e, PPSyncError) for e in leaves):
+        return None
+    named = [e for e in leaves if isinstance(e, PeerLost) and e.peer is not None]
+    return (named or leaves)[0]
 
 
 @asynccontextmanager
-async def open_rank(config: SyncConfig, group: dist.ProcessGroup) -> AsyncIterator[Rank]:
+async def open_rank(
+    config: SyncConfig, group: dist.ProcessGroup, *, board: FailureBoard | None = None
+) -> AsyncIterator[Rank]:
     """Open this rank's token path over ``group`` (the dedicated token group)
-    and run its service in a task group for the duration of the block."""
-    path = TokenPath(config, group)
+    and run its service in a task group for the duration of the block.
+    ``board``: see :class:`~ppsync.core.liveness.FailureBoard`."""
+    path = TokenPath(config, group, board=board)
     service: BroadcastService | ReceiveService = (
         BroadcastService(path) if path.is_last else ReceiveService(path)
     )
@@ -117,7 +129,7 @@ async def open_rank(config: SyncConfig, group: dist.ProcessGroup) -> AsyncIterat
             finally:
                 service.close()  # normal exit: run() drains what was issued
     except BaseExceptionGroup as eg:
-        one = _single(eg)
+        one = _primary(eg)
         if one is None:
             raise
         raise one from None

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ppsync.services.completion import completed
+from ppsync.core.handler import TokenPath
+from ppsync.services.completion import path_completed
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +35,11 @@ class Issued:
 class Watcher:
     """Owns a bounded stream of issued transfers and the task draining it."""
 
-    def __init__(self, *, capacity: int, timeout_s: float, rank: int, peer: int | None) -> None:
+    def __init__(self, path: TokenPath, *, capacity: int) -> None:
         send, recv = anyio.create_memory_object_stream[Issued](capacity)
         self._send: MemoryObjectSendStream[Issued] = send
         self._recv: MemoryObjectReceiveStream[Issued] = recv
-        self.timeout_s = timeout_s
-        self.rank = rank
-        self.peer = peer
+        self.path = path
         self.completed = 0
 
     async def watch(self, item: Issued) -> None:
@@ -58,10 +57,5 @@ class Watcher:
         async with self._recv:
             task_status.started()
             async for item in self._recv:
-                await completed(
-                    item.work,
-                    timeout_s=self.timeout_s,
-                    what=f"rank {self.rank}: transfer of frame {item.seq}",
-                    peer=self.peer,
-                )
+                await path_completed(self.path, item.work, f"transfer of frame {item.seq}")
                 self.completed += 1
