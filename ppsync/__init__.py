@@ -9,6 +9,7 @@ torch) -> ``ppsync.core`` (torch + numpy, synchronous) -> ``ppsync.compat``
 and ``ppsync.services`` (anyio) -> ``ppsync.cli``.
 """
 
+from ppsync.compat import PPHandler
 from ppsync.core import (
     AuxRelay,
     BatchView,
@@ -43,6 +44,7 @@ __all__ = [
     "BroadcastService",
     "ConfigError",
     "DesyncError",
+    "PPHandler",
     "PPSyncError",
     "PeerLost",
     "ProtocolError",

@@ -42,7 +42,7 @@ from ppsync.core.batch import batch_view_of, validate_batch
 from ppsync.core.checks import check_draft_table
 from ppsync.core.groups import token_group
 from ppsync.core.handler import PreparedStep, TokenPath
-from ppsync.errors import BatchError, ConfigError, ProtocolError, RoleError
+from ppsync.errors import BatchError, ConfigError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 
 __all__ = ["PPHandler"]
@@ -132,7 +132,7 @@ class PPHandler:
         when some row does not, or the step has no transfer at all."""
         view = batch_view_of(input_batch)
         needed = self._path.post(view)
-        return needed > 0
+        return view.num_reqs > 0 and needed == view.num_reqs
 
     # -- last rank --------------------------------------------------------------
 
@@ -166,11 +166,7 @@ class PPHandler:
         when no :meth:`broadcast` of this step holds a frame. On any error the
         held step stays held and goes without drafts when the next step starts."""
         self._check_open("broadcast_drafts")
-        if not self._path.is_last:
-            raise RoleError(
-                f"broadcast_drafts() belongs to the last rank; group rank {self._path.rank} "
-                f"of pp_size {self.config.pp_size} is not the last rank"
-            )
+        self._path.require_role("broadcast_drafts", last=True)
         table_np = check_draft_table(
             draft_tokens,
             max_num_reqs=self.config.max_num_reqs,

@@ -29,6 +29,7 @@ from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
+from ppsync.core.handshake import check_peers_agree
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
@@ -37,6 +38,7 @@ from ppsync.core.transport import broadcast_async, wait_work
 from ppsync.errors import (
     BatchError,
     ConfigError,
+    DesyncError,
     PeerLost,
     PPSyncError,
     ProtocolError,
@@ -98,6 +100,7 @@ class TokenPath:
         self.is_last = self.rank == config.pp_size - 1
         self.src = dist.get_global_rank(group, config.pp_size - 1)
         self.board = board
+        check_peers_agree(config, group, rank=self.rank)
         self.codec = FrameCodec(config)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
@@ -131,6 +134,11 @@ class TokenPath:
     def _check_open(self) -> None:
         if self._closed:
             raise ProtocolError(f"rank {self.rank}: token path used after close()")
+
+    def require_role(self, op: str, *, last: bool) -> None:
+        """Raise RoleError unless this rank is (``last``) or is not the last
+        rank; ProtocolError after close(). For adapters checking first."""
+        self._check_role(op, last=last)
 
     def _check_role(self, op: str, *, last: bool) -> None:
         self._check_open()
@@ -178,7 +186,16 @@ class TokenPath:
         ranks that never posted), when there is a board."""
         if self.board is None:
             return err
-        self.board.post(f"rank {self.rank}: {err}")
+        if isinstance(err, DesyncError):
+            self.board.post("DesyncError", str(err), expected=err.expected, received=err.received)
+            return err
+        self.board.post(type(err).__name__, str(err))
+        for notice in self.board.notices():
+            if notice["kind"] == "DesyncError":  # a desync, not a lost peer
+                return DesyncError(
+                    f"rank {self.rank}: rank {notice['rank']} reported: {notice['message']}",
+                    expected=notice["expected"], received=notice["received"],
+                )
         lost = self.board.lost()
         if not lost:
             return err
@@ -211,16 +228,16 @@ class TokenPath:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
         Returns the rows needing a sample; 0 means the step had no transfer."""
         self._check_role("broadcast", last=True)
-        self.steps += 1
-        needed = step.num_needed
-        if needed == 0:
-            return 0
         if drafts_np is not None and drafts_np.shape != (step.view.num_reqs,
                                                          self.config.num_speculative_steps):
             raise BatchError(
                 f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
                 f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
             )
+        self.steps += 1
+        needed = step.num_needed
+        if needed == 0:
+            return 0
         self._prune()
         codec = self.codec
         frame = FrameView(self.seq, step.view.num_reqs, codec.idx_digest(step.view.idx_mapping_np))
@@ -329,7 +346,10 @@ class TokenPath:
             self._inflight.append((head.buf, head.work))
             return None
         self._wait(head.work, f"receive of frame {head.frame.seq}")
-        return self._release(head, keep, table)
+        try:
+            return self._release(head, keep, table)
+        except DesyncError as e:
+            raise self.failed(e) from None
 
     def _release(
         self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None

@@ -14,8 +14,10 @@ come typed and bounded, but cannot name the lost peer.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from torch._C._distributed_c10d import Store  # dist.Store, in a form mypy resolves
 
@@ -46,17 +48,28 @@ class FailureBoard:
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
 
-    def post(self, message: str) -> None:
-        """Say, once, that this rank saw a failure. Never raises: the store
-        may be gone too."""
+    def post(self, kind: str, message: str, **views: dict[str, int]) -> None:
+        """Say, once, that this rank saw a failure of type ``kind``. Never
+        raises: the store may be gone too."""
         if self._posted:
             return
         self._posted = True
+        notice = json.dumps({"rank": self.me, "kind": kind, "message": message, **views})
         try:
-            self.store.set(self._key(self.me), message)
+            self.store.set(self._key(self.me), notice)
             self.store.add(self._count, 1)
         except Exception:  # a dead store must not mask the real error
             pass
+
+    def notices(self) -> list[dict[str, Any]]:
+        """Every notice posted so far (one store round trip per rank)."""
+        out = []
+        for r in self.posted():
+            try:
+                out.append(json.loads(self.store.get(self._key(r))))
+            except Exception:
+                continue
+        return out
 
     def anyone_failed(self) -> bool:
         """Whether any rank of the group has posted (one store round trip)."""

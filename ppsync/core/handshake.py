@@ -1,0 +1,49 @@
+"""The configuration handshake: every rank of the token group checks, once,
+that all ranks agree on what shapes the frames have.
+
+Frames are sized from (max_num_reqs, K, wire); two ranks that disagree would
+post buffers of different sizes, and gloo answers that by silently part-filling
+a larger buffer or aborting the process that posted a smaller one. One small
+all_gather at start-up turns that into a DesyncError on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ppsync.core.transport import wait_work
+from ppsync.errors import DesyncError
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.records import FRAME_FORMAT_VERSION
+
+_FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
+           "exact_wire")
+
+
+def config_words(config: SyncConfig) -> list[int]:
+    """What every rank must agree on, as integers (see ``_FIELDS``)."""
+    return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
+            config.num_speculative_steps, config.depth, int(config.wire == "exact")]
+
+
+def check_peers_agree(config: SyncConfig, group: dist.ProcessGroup, *, rank: int) -> None:
+    """All-gather every rank's configuration words over ``group`` and raise
+    DesyncError, on every rank alike, if any rank differs. Collective: every
+    rank of the group calls it once, before any frame."""
+    mine = torch.tensor(config_words(config), dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    assert work is not None
+    wait_work(work, timeout_s=config.timeout_s, what=f"rank {rank}: configuration handshake",
+              peer=None)
+    ref = dict(zip(_FIELDS, config_words(config), strict=True))
+    for other, words in enumerate(gathered):
+        theirs = dict(zip(_FIELDS, (int(w) for w in words), strict=True))
+        if theirs != ref:
+            diffs = ", ".join(f"{k}: mine {v} vs rank {other} {theirs[k]}"
+                              for k, v in ref.items() if theirs[k] != v)
+            raise DesyncError(
+                f"rank {rank}: group rank {other} has another configuration ({diffs})",
+                expected=ref, received=theirs,
+            )
