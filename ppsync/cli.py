@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ppsync.errors import ConfigError, PPSyncError
@@ -18,11 +18,18 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.services.run import format_table, run_local
 
 
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        return v
+
+    return parse
+
+
+_positive = _at_least(1)
+_non_negative = _at_least(0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--spec", type=int, default=0, help="speculative steps K (default 0)")
     la.add_argument("--max-num-reqs", type=_positive, default=64, help="request slots")
     la.add_argument("--ring-depth", type=_positive, default=None, help="D (default pp_size)")
-    la.add_argument("--seed", type=int, default=0, help="workload seed")
+    la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
     la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
     la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,

@@ -1,0 +1,143 @@
+"""``ppsync launch``: exit status, the per-rank table, the JSON report, and
+bad arguments."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+import ppsync.cli
+from ppsync.cli import main
+from ppsync.errors import RankFailed
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.report import RankReport, RunReport
+
+
+def _exit_code(argv: Sequence[str]) -> int:
+    """main()'s status whether it returns it or argparse raises SystemExit."""
+    try:
+        return main(list(argv))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+
+
+def test_launch_prints_ok_table_and_writes_a_valid_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "report.json"
+    argv = ["launch", "--pp-size", "2", "--steps", "60", "--spec", "2", "--max-num-reqs", "8",
+            "--seed", "3", "--timeout", "20", "--report", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert lines[0].split()[:3] == ["rank", "role", "steps"]
+    assert re.match(r"\s*0 receiver\s+60 ", lines[1]), lines[1]
+    assert re.match(r"\s*1 last\s+60 ", lines[2]), lines[2]
+    assert re.search(r"pp_size=2 K=2 D=2 max_num_reqs=8 wire=fixed mode=sync -> OK", lines[3])
+
+    report = RunReport.model_validate_json(path.read_text())
+    assert report.ok
+    assert (report.steps, report.seed, report.mode) == (60, 3, "sync")
+    assert report.config == SyncConfig.build(
+        pp_size=2, max_num_reqs=8, num_speculative_steps=2, timeout_s=20.0
+    )
+    receiver, last = report.ranks
+    assert (receiver.role, last.role) == ("receiver", "last")
+    assert receiver.rows_delivered == receiver.rows_expected > 0
+    assert receiver.transfers == last.transfers > 0
+    assert last.rows_sent >= receiver.rows_expected
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_launch_async_reports_async_mode(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "report.json"
+    argv = ["launch", "--pp-size", "2", "--steps", "40", "--max-num-reqs", "8", "--wire",
+            "exact", "--async", backend, "--timeout", "20", "--report", str(path)]
+    assert main(argv) == 0
+    assert re.search(r"wire=exact mode=async -> OK", capsys.readouterr().out)
+    report = RunReport.model_validate_json(path.read_text())
+    assert report.mode == "async" and report.ok
+    assert report.ranks[0].rows_delivered == report.ranks[0].rows_expected > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "stderr"),
+    [
+        (["--pp-size", "2", "--ring-depth", "3"], r"ring_depth = 3 exceeds pp_size = 2"),
+        (["--pp-size", "0"], r"--pp-size: .*0 must be >= 1"),
+        (["--pp-size", "2", "--spec", "-1"], r"num_speculative_steps = -1"),
+        (["--pp-size", "2", "--max-num-reqs", "0"], r"--max-num-reqs: .*0 must be >= 1"),
+        (["--pp-size", "2", "--wire", "tight"], r"--wire: invalid choice: 'tight'"),
+        (["--pp-size", "2", "--timeout", "0"], r"timeout_s = 0\.0"),
+    ],
+    ids=["ring-depth-over-pp-size", "pp-size-zero", "spec-negative", "max-num-reqs-zero",
+         "wire-unknown", "timeout-zero"],
+)
+def test_bad_arguments_exit_2(
+    argv: list[str], stderr: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _exit_code(["launch", "--steps", "5", *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(stderr, err), err
+
+
+def test_negative_seed_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code = _exit_code(["launch", "--pp-size", "2", "--steps", "5", "--seed", "-1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r"seed", err), err
+
+
+def test_missing_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code([]) == 2
+    assert "usage: ppsync" in capsys.readouterr().err
+
+
+def _report(**faults: int) -> RunReport:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=8)
+    return RunReport(config=config, steps=10, seed=0, ranks=[
+        RankReport(rank=0, role="receiver", steps=10, transfers=4, rows_expected=8,
+                   rows_delivered=8, **faults),
+        RankReport(rank=1, role="last", steps=10, transfers=4, rows_sent=8),
+    ])
+
+
+def test_faults_exit_1_with_faults_verdict(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(ppsync.cli, "run_local", lambda *a, **k: _report(stale=1))
+    assert main(["launch", "--pp-size", "2", "--steps", "10"]) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("-> FAULTS")
+    assert "OK" not in out
+
+
+def test_a_failed_rank_exits_1_naming_the_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail(*args: object, **kwargs: object) -> RunReport:
+        raise RankFailed("1 of 2 ranks failed; rank 0: boom", {0: "boom"})
+
+    monkeypatch.setattr(ppsync.cli, "run_local", fail)
+    assert main(["launch", "--pp-size", "2", "--steps", "10"]) == 1
+    assert re.search(r"^ppsync: RankFailed: 1 of 2 ranks failed", capsys.readouterr().err)
+
+
+def test_console_script_runs() -> None:
+    script = Path(sys.executable).with_name("ppsync")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ppsync.cli"]
+    proc = subprocess.run(
+        [*cmd, "launch", "--pp-size", "2", "--steps", "20", "--max-num-reqs", "4",
+         "--timeout", "20"],
+        capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"mode=sync -> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt",
+                     proc.stdout), proc.stdout
