@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
                     help="carry tokens through the anyio services (default backend asyncio)")
+    la.add_argument("--arrivals", type=_positive, default=4,
+                    help="most requests arriving in one step (load; default 4)")
+    la.add_argument("--jitter-us", type=float, default=0.0,
+                    help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
     return p
 
@@ -60,7 +64,10 @@ def _launch(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         wire=args.wire,
     )
-    report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend)
+    if args.jitter_us < 0:
+        raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
+    report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
+                       jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals})
     print(format_table(report))
     if args.report is not None:
         args.report.write_text(report.model_dump_json(indent=2) + "\n")

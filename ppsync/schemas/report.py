@@ -42,6 +42,10 @@ class RankReport(BaseModel):
     """99th percentile of the same (µs)."""
     wall_s: float = Field(default=0.0, ge=0)
     """Wall time of the rank's step loop."""
+    rss_start_mb: float = Field(default=0.0, ge=0)
+    """Resident memory of the rank process when its loop started (MiB)."""
+    rss_end_mb: float = Field(default=0.0, ge=0)
+    """Resident memory of the rank process when its loop ended (MiB)."""
 
     @property
     def faults(self) -> int:

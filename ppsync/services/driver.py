@@ -10,6 +10,7 @@ recorded as its sync latency.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -45,6 +46,16 @@ def workload_config(
     )
 
 
+def resident_mb() -> float:
+    """This process's resident memory now, in MiB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def percentiles_us(samples_ns: np.ndarray) -> tuple[float, float]:
     """(p50, p99) in µs of a sample of durations in ns."""
     if samples_ns.size == 0:
@@ -59,6 +70,8 @@ class StepLoop:
 
     wcfg: WorkloadConfig
     is_last: bool
+    rank: int = 0
+    jitter_us: float = 0.0  # each step, pause uniformly in [0, jitter_us] (a slow, jittery rank)
     wl: Workload = field(init=False)
     checker: Checker = field(init=False)
     table: torch.Tensor | None = field(init=False)  # [max_num_reqs, K] draft table
@@ -66,8 +79,10 @@ class StepLoop:
     transfers: int = 0
     rows_sent: int = 0
     started: float = field(default_factory=time.perf_counter)
+    rss_start_mb: float = field(default_factory=lambda: resident_mb())
 
     def __post_init__(self) -> None:
+        self._jitter = np.random.default_rng([self.wcfg.seed, self.rank, 7])
         self.wl = Workload(self.wcfg)
         self.checker = Checker(self.wl)
         K = self.wcfg.num_speculative_steps
@@ -80,6 +95,10 @@ class StepLoop:
 
     def released(self, t: int, released: ReleasedStep | None) -> None:
         self.checker.check(t, released, self.table)
+
+    def pause_s(self) -> float:
+        """This step's injected delay, in seconds (0 without jitter)."""
+        return float(self._jitter.uniform(0, self.jitter_us)) / 1e6 if self.jitter_us else 0.0
 
     def schedule(self, t: int, free: TokenPath) -> ScheduledStep:
         for slot in self.wl.begin_step(t):
@@ -101,6 +120,7 @@ class StepLoop:
             rows_delivered=tl.delivered, lost=tl.lost, stale=tl.stale,
             duplicated=tl.duplicated, corrupt=tl.corrupt, sync_us_p50=p50, sync_us_p99=p99,
             wall_s=time.perf_counter() - self.started,
+            rss_start_mb=self.rss_start_mb, rss_end_mb=resident_mb(),
         )
 
 
@@ -115,10 +135,12 @@ def outputs(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     )
 
 
-def run_sync_rank(path: TokenPath, wcfg: WorkloadConfig) -> RankReport:
+def run_sync_rank(path: TokenPath, wcfg: WorkloadConfig, *, jitter_us: float = 0.0) -> RankReport:
     """Run ``wcfg.steps`` steps (plus D to drain) through the core."""
-    loop = StepLoop(wcfg, path.is_last)
+    loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us)
     for t in range(loop.total_steps):
+        if jitter_us:
+            time.sleep(loop.pause_s())
         spent = 0
         if not path.is_last:
             t0 = time.perf_counter_ns()
@@ -141,11 +163,14 @@ async def run_async_rank(
     group: dist.ProcessGroup,
     wcfg: WorkloadConfig,
     board: FailureBoard | None = None,
+    jitter_us: float = 0.0,
 ) -> RankReport:
     """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services."""
     async with open_rank(config, group, board=board) as rank:
-        loop = StepLoop(wcfg, rank.is_last)
+        loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us)
         for t in range(loop.total_steps):
+            if jitter_us:
+                await anyio.sleep(loop.pause_s())
             spent = 0
             if not rank.is_last:
                 t0 = time.perf_counter_ns()
@@ -168,6 +193,7 @@ def run_async_rank_blocking(
     wcfg: WorkloadConfig,
     backend: Backend,
     board: FailureBoard | None = None,
+    jitter_us: float = 0.0,
 ) -> RankReport:
     """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
-    return anyio.run(run_async_rank, config, group, wcfg, board, backend=backend)
+    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, backend=backend)
