@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo clean
+.PHONY: venv test lint typecheck pytest demo soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ test: lint typecheck pytest
 
 demo: $(STAMP)
 	$(VENV)/bin/ppsync launch --pp-size 3 --steps 3000 --spec 2 --max-num-reqs 32
+
+# Not a CI test: >= 10^6 row-steps at P=3, K=3 with churn; 0 lost/stale/dup and RSS per rank.
+soak: $(STAMP)
+	$(VENV)/bin/ppsync launch --pp-size 3 --steps 100000 --spec 3 --max-num-reqs 64 \
+		--arrivals 16 --report soak-report.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -52,7 +52,52 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
+    be = sub.add_parser("bench", help="time the token path against raw broadcasts and "
+                        "today's scheme on P local gloo ranks (lockstep and pipelined)")
+    be.add_argument("--pp-size", type=_positive, default=2, help="ranks P (default 2)")
+    be.add_argument("--rows", type=_positive, default=256,
+                    help="decode rows per step (default 256)")
+    be.add_argument("--spec", type=int, default=0, help="speculative steps K (default 0)")
+    be.add_argument("--iters", type=_positive, default=None,
+                    help="lockstep iterations (default 2000; 200 with --hidden)")
+    be.add_argument("--pipelined-iters", type=_positive, default=None,
+                    help="measured steps per pipelined scheme (default iters / 2)")
+    be.add_argument("--compute-us", type=int, default=400,
+                    help="simulated compute per pipelined step, µs (default 400)")
+    be.add_argument("--warmup", type=int, default=100, help="warm-up iterations (default 100)")
+    be.add_argument("--hidden", type=_bench_shape, default=None, metavar="ROWSxHIDDEN",
+                    help="concurrent [ROWS, HIDDEN] float32 send/recv between stages on the "
+                    "world group; token traffic runs on the dedicated group and on the world group")
+    be.add_argument("--max-num-reqs", type=_positive, default=None,
+                    help="request slots, the fixed frame's rows (default: rows)")
+    be.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    be.add_argument("--json", type=Path, default=None, metavar="FILE",
+                    help="write every figure as JSON")
     return p
+
+
+def _bench_shape(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} must be ROWSxHIDDEN, e.g. 1024x4096")
+    return int(parts[0]), int(parts[1])
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ppsync.services.bench import BenchOptions, format_tables, run_bench
+
+    iters = args.iters or (200 if args.hidden else 2000)
+    opts = BenchOptions.build(
+        pp_size=args.pp_size, rows=args.rows, spec=args.spec, iters=iters,
+        pipelined_iters=args.pipelined_iters or max(1, iters // 2),
+        compute_us=args.compute_us, warmup=args.warmup, hidden=args.hidden,
+        max_num_reqs=args.max_num_reqs, timeout_s=args.timeout,
+    )
+    report = run_bench(opts)
+    print(format_tables(report))
+    if args.json is not None:
+        args.json.write_text(report.model_dump_json(indent=2) + "\n")
+    return 0
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -79,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args)
+        if args.command == "bench":
+            return _bench(args)
     except ConfigError as e:
         print(f"ppsync: {e}", file=sys.stderr)
         return 2

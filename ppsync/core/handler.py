@@ -129,7 +129,7 @@ class TokenPath:
         oldest beyond D in flight); an async caller awaits these first so the
         call never blocks."""
         excess = len(self._inflight) - self.config.depth
-        return [w for _, w in list(self._inflight)[: max(0, excess + 1)]]
+        return [w for _, w in list(self._inflight)[: max(0, excess)]]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -200,6 +200,10 @@ class TokenPath:
         if not lost:
             return err
         names = ", ".join(str(r) for r in lost)
+        if isinstance(err, SyncTimeout):
+            # nobody saw a connection fail: the unposted ranks are silent, maybe stuck
+            return SyncTimeout(f"silent peer rank(s) {names} (global), no failure reported "
+                               f"by any rank; {err}")
         return PeerLost(f"lost peer rank(s) {names} (global); first seen here as "
                         f"{type(err).__name__}: {err}", peer=lost[0])
 

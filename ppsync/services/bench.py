@@ -1,0 +1,255 @@
+"""``ppsync bench``: what the token path costs, against raw broadcasts and
+today's scheme, on P local gloo ranks.
+
+One spawn of P ranks runs the lockstep benchmark (``bench_lockstep``: four
+variants interleaved per iteration, each waiting its own transfer; the worst
+case) and then the pipelined one (``bench_pipelined``: an engine-like loop
+with simulated compute and D steps in flight; the headline). Each rank hands
+back raw perf_counter_ns samples; the parent turns them into a
+:class:`~ppsync.services.bench_model.BenchReport` (spans need every rank's
+timestamps: max(out) - min(in) per iteration), adds the single-process CPU
+micro-benchmark (``bench_cpu``), the ratios and the targets. Benchmarks report
+figures; nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+from ppsync.core.frame import FrameCodec
+from ppsync.services.bench_common import rank_ctx, world_barrier
+from ppsync.services.bench_cpu import micro_cpu
+from ppsync.services.bench_lockstep import VARIANTS, LockstepRankResult, lockstep_rank
+from ppsync.services.bench_model import (
+    BenchOptions,
+    BenchReport,
+    CpuStats,
+    LockstepStats,
+    PipelinedStats,
+    Target,
+    pct_us,
+    ratio,
+)
+from ppsync.services.bench_pipelined import (
+    SCHEMES,
+    PipelinedRankResult,
+    pipelined_rank,
+    rounds,
+)
+from ppsync.services.launcher import RankEnv, spawn_ranks
+
+__all__ = ["BenchOptions", "BenchReport", "format_tables", "run_bench"]
+
+RankResult = tuple[LockstepRankResult, PipelinedRankResult]
+
+
+def _rank(opts: BenchOptions, env: RankEnv) -> RankResult:
+    ctx = rank_ctx(opts)
+    lock = lockstep_rank(ctx)
+    world_barrier(timeout_s=opts.timeout_s)
+    return lock, pipelined_rank(ctx)
+
+
+def _budget_s(opts: BenchOptions) -> float:
+    """A generous bound on the whole run (a hang guard; every collective is
+    bounded by timeout_s on its own)."""
+    per_op_s = 0.004
+    if opts.hidden is not None:
+        per_op_s += 3 * opts.hidden[0] * opts.hidden[1] * 4 / 2e8  # 200 MB/s, worst case
+    groups = len(opts.group_names)
+    lock = (opts.warmup + opts.iters) * len(VARIANTS) * groups * 2.5 * per_op_s
+    n_rounds, _ = rounds(opts.pipelined_iters)
+    pipe = ((opts.pipelined_iters + opts.warmup + 4 * opts.pp_size * n_rounds)
+            * len(SCHEMES) * groups * (opts.compute_us * 1e-6 + per_op_s))
+    return opts.timeout_s + 30.0 + 3 * (lock + pipe)
+
+
+def run_bench(opts: BenchOptions) -> BenchReport:
+    """Spawn ``opts.pp_size`` gloo ranks, run both benchmarks, and report."""
+    started = time.perf_counter()
+    results = spawn_ranks(functools.partial(_rank, opts), opts.pp_size,
+                          timeout_s=_budget_s(opts))
+    lock = [r[0] for r in results]
+    pipe = [r[1] for r in results]
+    lockstep = _lockstep_stats(opts, lock)
+    pipelined = _pipelined_stats(opts, pipe)
+    last_micro, recv_micro = micro_cpu(opts)
+    cpu = CpuStats(
+        last_inrun_p50_us=pct_us(lock[-1].cpu_ns, 50),
+        receiver_inrun_p50_us=max(pct_us(r.cpu_ns, 50) for r in lock[:-1]),
+        last_micro_p50_us=last_micro,
+        receiver_micro_p50_us=recv_micro,
+    )
+    lag_p99 = max(pct_us(r.lag_ns, 99) for r in lock)
+    ratios = _ratios(opts, lockstep, pipelined)
+    reference = (opts.pp_size, opts.rows, opts.compute_us) == (2, 256, 400)
+    return BenchReport(
+        options=opts,
+        frame_words=FrameCodec(opts.sync_config(ring_depth=1)).words(opts.rows),
+        slot_us=lock[0].slot_ns / 1e3,
+        lockstep=lockstep,
+        lockstep_lag_p99_us=lag_p99,
+        pipelined=pipelined,
+        cpu=cpu,
+        ratios=ratios,
+        targets=_targets(opts, ratios, cpu, lag_p99, pipelined),
+        reference_config=reference,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _lockstep_stats(opts: BenchOptions, lock: list[LockstepRankResult]) -> list[LockstepStats]:
+    t_in = np.stack([r.t_in for r in lock])  # [P, iters, V]
+    t_out = np.stack([r.t_out for r in lock])  # [P, iters, V]
+    out = []
+    for k in range(t_in.shape[2]):
+        span = t_out[:, :, k].max(axis=0) - t_in[:, :, k].min(axis=0)  # [iters]
+        own = t_out[:, :, k] - t_in[:, :, k]  # [P, iters]
+        out.append(LockstepStats(
+            variant=VARIANTS[k % len(VARIANTS)],
+            group=opts.group_names[k // len(VARIANTS)],
+            span_p50_us=pct_us(span, 50),
+            span_p99_us=pct_us(span, 99),
+            last_p50_us=pct_us(own[-1], 50),
+            receiver_p50_us=max(pct_us(own[r], 50) for r in range(opts.pp_size - 1)),
+        ))
+    return out
+
+
+def _pipelined_stats(opts: BenchOptions, pipe: list[PipelinedRankResult]) -> list[PipelinedStats]:
+    out = []
+    for group in opts.group_names:
+        for scheme in SCHEMES:
+            per_rank = [r.series[f"{scheme}@{group}"] for r in pipe]
+            step = [np.concatenate(s.step_ns) for s in per_rank]
+            blocked = [np.concatenate(s.blocked_ns) for s in per_rank]
+            recv = per_rank[:-1]
+            counted = sum(s.counted for s in recv)
+            is_async = scheme == "ppsync_async"
+            out.append(PipelinedStats(
+                variant=scheme,
+                group=group,
+                step_p50_us=max(pct_us(a, 50) for a in step),
+                step_mean_us=max(float(a.mean()) / 1e3 for a in step),
+                blocked_p50_us=max(pct_us(a, 50) for a in blocked),
+                blocked_mean_us=max(float(a.mean()) / 1e3 for a in blocked),
+                blocked_last_p50_us=pct_us(blocked[-1], 50),
+                blocked_receiver_p50_us=max(pct_us(a, 50) for a in blocked[:-1]),
+                complete_at_consume=(sum(s.complete for s in recv) / counted
+                                     if scheme != "seeds" and counted else None),
+                lag_p99_us=max(pct_us(np.concatenate(s.lag_ns), 99) for s in per_rank)
+                if is_async else None,
+                lag_raw_p99_us=max(pct_us(np.concatenate(s.lag_raw_ns), 99) for s in per_rank)
+                if is_async else None,
+            ))
+    return out
+
+
+def _ratios(opts: BenchOptions, lockstep: list[LockstepStats],
+            pipelined: list[PipelinedStats]) -> dict[str, float]:
+    span = {(s.variant[0], s.group): s.span_p50_us for s in lockstep}
+    pipe = {(s.variant, s.group): s for s in pipelined}
+    out: dict[str, float] = {}
+    for g in opts.group_names:
+        at = "" if g == "dedicated" else "@world"
+        for num, den in (("c", "a"), ("c", "b"), ("d", "a"), ("d", "b")):
+            out[f"{num}/{den}{at}"] = ratio(span[num, g], span[den, g])
+        seeds = pipe["seeds", g]
+        for scheme, short in (("ppsync_sync", "sync"), ("ppsync_async", "async")):
+            p = pipe[scheme, g]
+            out[f"{short}/seeds step{at}"] = ratio(p.step_p50_us, seeds.step_p50_us)
+            out[f"{short}/seeds blocked{at}"] = ratio(p.blocked_p50_us, seeds.blocked_p50_us)
+    if opts.hidden is not None:  # what the dedicated group is worth
+        for v in "abcd":
+            out[f"{v} world/dedicated"] = ratio(span[v, "world"], span[v, "dedicated"])
+        for scheme in SCHEMES:
+            out[f"{scheme} step world/dedicated"] = ratio(
+                pipe[scheme, "world"].step_p50_us, pipe[scheme, "dedicated"].step_p50_us)
+    return out
+
+
+def _targets(opts: BenchOptions, ratios: dict[str, float], cpu: CpuStats, lag_p99_us: float,
+             pipelined: list[PipelinedStats]) -> list[Target]:
+    """The issue's targets (set for P=2, C=400 µs, 256 rows); reported only."""
+    async_lag = next(s.lag_p99_us for s in pipelined
+                     if s.variant == "ppsync_async" and s.group == "dedicated") or 0.0
+    rows: list[tuple[str, float, float]] = [
+        ("pipelined sync/seeds step", ratios["sync/seeds step"], 0.45),
+        ("pipelined async/seeds step", ratios["async/seeds step"], 0.45),
+        ("pipelined sync/seeds blocked", ratios["sync/seeds blocked"], 0.15),
+        ("pipelined async/seeds blocked", ratios["async/seeds blocked"], 0.15),
+        ("lockstep c/b", ratios["c/b"], 0.6 if opts.spec == 0 else 0.45),
+        ("lockstep c/a", ratios["c/a"], 1.15),
+        ("lockstep d/a", ratios["d/a"], 1.5),
+        ("own CPU last rank us", cpu.last_inrun_p50_us, 10.0),
+        ("own CPU receiver us", cpu.receiver_inrun_p50_us, 10.0),
+        ("loop lag p99 us (lockstep d)", lag_p99_us, 2000.0),
+        ("loop lag p99 us (pipelined async)", async_lag, 2000.0),
+    ]
+    return [Target(name=n, value=v, limit=lim, met=v <= lim) for n, v, lim in rows]
+
+
+# -- the printed tables ---------------------------------------------------------
+
+_LOCK_HEAD = (f"{'variant':<16} {'group':<9} {'span_p50':>9} {'span_p99':>9} "
+              f"{'last_p50':>9} {'recv_p50':>9}")
+_PIPE_HEAD = (f"{'scheme':<13} {'group':<9} {'step_p50':>9} {'step_mean':>9} "
+              f"{'blk_p50':>8} {'blk_mean':>8} {'blk_last':>8} {'blk_recv':>8} "
+              f"{'done@cons':>9} {'lag_p99':>8}")
+
+
+def _opt(v: float | None, fmt: str) -> str:
+    return format(v, fmt) if v is not None else "-"
+
+
+def format_tables(report: BenchReport) -> str:
+    """The tables ``ppsync bench`` prints (times in µs)."""
+    o, r = report.options, report.ratios
+    hidden = f", hidden {o.hidden[0]}x{o.hidden[1]}" if o.hidden else ""
+    lines = [
+        f"lockstep: P={o.pp_size} rows={o.rows} K={o.spec} iters={o.iters} "
+        f"frame={report.frame_words} words slot={report.slot_us:.0f} us{hidden} (times in us)",
+        _LOCK_HEAD,
+    ]
+    for s in report.lockstep:
+        lines.append(f"{s.variant:<16} {s.group:<9} {s.span_p50_us:>9.1f} {s.span_p99_us:>9.1f} "
+                     f"{s.last_p50_us:>9.1f} {s.receiver_p50_us:>9.1f}")
+    lines.append(f"ratios (span p50): c/a {r['c/a']:.2f}  c/b {r['c/b']:.2f}  "
+                 f"d/a {r['d/a']:.2f}  d/b {r['d/b']:.2f}")
+    c = report.cpu
+    lines += [
+        f"own CPU per step (p50): last {c.last_inrun_p50_us:.1f} us in-run / "
+        f"{c.last_micro_p50_us:.1f} us micro; receiver {c.receiver_inrun_p50_us:.1f} us "
+        f"in-run / {c.receiver_micro_p50_us:.1f} us micro",
+        f"loop lag p99 (d): {report.lockstep_lag_p99_us:.1f} us",
+        "",
+        f"pipelined: P={o.pp_size} rows={o.rows} K={o.spec} compute={o.compute_us} us "
+        f"D={o.pp_size} steps={rounds(o.pipelined_iters)[0] * rounds(o.pipelined_iters)[1]}"
+        f"{hidden} (times in us)",
+        _PIPE_HEAD,
+    ]
+    for p in report.pipelined:
+        lines.append(
+            f"{p.variant:<13} {p.group:<9} {p.step_p50_us:>9.1f} {p.step_mean_us:>9.1f} "
+            f"{p.blocked_p50_us:>8.1f} {p.blocked_mean_us:>8.1f} {p.blocked_last_p50_us:>8.1f} "
+            f"{p.blocked_receiver_p50_us:>8.1f} {_opt(p.complete_at_consume, '.3f'):>9} "
+            f"{_opt(p.lag_p99_us, '.1f'):>8}"
+        )
+    lines.append(
+        f"ratios (p50): sync/seeds step {r['sync/seeds step']:.2f} blocked "
+        f"{r['sync/seeds blocked']:.2f}; async/seeds step {r['async/seeds step']:.2f} "
+        f"blocked {r['async/seeds blocked']:.2f}"
+    )
+    if o.hidden is not None:
+        world = "  ".join(f"{k} {v:.2f}" for k, v in r.items() if "world" in k)
+        lines += ["", f"world group vs dedicated: {world}"]
+    ref = "" if report.reference_config else " (set for P=2, 256 rows, C=400 us; not this run)"
+    lines += ["", f"targets{ref}:"]
+    for t in report.targets:
+        lines.append(f"  {t.name:<34} {t.value:>9.2f} <= {t.limit:<7g} "
+                     f"{'met' if t.met else 'MISSED'}")
+    lines.append(f"wall {report.wall_s:.1f} s")
+    return "\n".join(lines)

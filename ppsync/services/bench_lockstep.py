@@ -1,0 +1,227 @@
+"""The lockstep benchmark, inside one rank: each iteration runs every variant
+once, each waiting for its own transfer, in a round-robin order that every
+rank derives from the iteration number (so all ranks issue the same
+collectives in the same order):
+
+- ``a_raw_frame``: one raw broadcast of a frame's words (the floor);
+- ``b_seeds``: today's scheme, tokens / counts / drafts in 2-3 broadcasts,
+  issued back to back and then waited;
+- ``c_ppsync_sync``: TokenPath with ring depth 1: the last rank publish()es
+  (and waits for the send, as a broadcast root does), receivers post() then
+  consume() the step they just posted;
+- ``d_ppsync_async``: the same through ``open_rank`` under anyio on asyncio.
+
+After ``warmup`` back-to-back iterations the ranks agree on a time slot (a
+little over twice the slowest variant's p90) and a start instant; variant j of
+iteration i then starts at ``t0 + (i * V + j) * slot`` on every rank, so each
+variant starts from a quiet group with every rank in at once, and a variant's
+span (first rank in, last rank out) carries no skew left by the one before.
+
+The variants a, b, c and the waits between slots block the event loop on
+purpose; a heartbeat task measures the loop's lag, and only lateness that
+falls inside d's calls is counted against ppsync.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+import torch.distributed as dist
+
+from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.handler import TokenPath
+from ppsync.core.transport import broadcast_async, wait_work
+from ppsync.errors import PPSyncError
+from ppsync.services.bench_common import (
+    Heartbeat,
+    IssueClock,
+    RankCtx,
+    SeedsBuffers,
+    issue_clock,
+    now,
+    run_async,
+    wait_all,
+    wait_until,
+    world_max,
+    world_start,
+)
+from ppsync.services.bench_model import overdue_within
+from ppsync.services.completion import completed
+from ppsync.services.runtime import Rank, open_rank
+
+VARIANTS = ("a_raw_frame", "b_seeds", "c_ppsync_sync", "d_ppsync_async")
+MIN_SLOT_NS = 500_000
+START_LEAD_NS = 50_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class LockstepRankResult:
+    """One rank's lockstep samples; column k of t_in / t_out is
+    (variant k % 4, group k // 4)."""
+
+    t_in: np.ndarray  # [iters, V] int64 perf_counter_ns
+    t_out: np.ndarray  # [iters, V] int64
+    cpu_ns: np.ndarray  # [iters] int64: ppsync's own CPU in c, dedicated group
+    lag_ns: np.ndarray  # [n] int64: heartbeat lateness inside d's calls
+    slot_ns: int
+
+
+@dataclass(slots=True)
+class _Lane:
+    """Everything the variants need on one group."""
+
+    group: dist.ProcessGroup
+    path: TokenPath  # variant c
+    rank: Rank  # variant d
+
+
+class _Lockstep:
+    def __init__(self, ctx: RankCtx, clock: IssueClock) -> None:
+        o = ctx.opts
+        self.ctx = ctx
+        self.clock = clock
+        self.config = o.sync_config(ring_depth=1)
+        codec = FrameCodec(self.config)
+        self.frame = codec.new_buffer(o.rows)  # [words] int64
+        if ctx.is_last:  # a real frame, though a raw broadcast never looks
+            s = ctx.step
+            codec.pack(self.frame.numpy(), FrameView(0, o.rows, 0), s.tokens.numpy(),
+                       s.num_sampled.numpy(), s.num_rejected.numpy(),
+                       None if s.drafts is None else s.drafts.numpy())
+        self.seeds = SeedsBuffers.of(ctx.step, is_last=ctx.is_last)
+        self.lanes: list[_Lane] = []
+
+    @property
+    def width(self) -> int:
+        return len(VARIANTS) * len(self.lanes)
+
+    def _what(self, variant: str) -> str:
+        return f"bench rank {self.ctx.rank}: {variant}"
+
+    async def one(self, k: int) -> int:
+        """Run column k once; return ppsync's own CPU (ns) when k is c on
+        the dedicated group, else 0."""
+        lane = self.lanes[k // len(VARIANTS)]
+        v = k % len(VARIANTS)
+        ctx, timeout_s = self.ctx, self.config.timeout_s
+        if v == 0:
+            wait_work(broadcast_async(self.frame, ctx.src, lane.group),
+                      timeout_s=timeout_s, what=self._what("a"), peer=ctx.src)
+        elif v == 1:
+            wait_all(self.seeds.issue(ctx.src, lane.group), timeout_s=timeout_s,
+                     what=self._what("b"))
+        elif v == 2:
+            cpu = self._sync_step(lane.path)
+            return cpu if k == 2 else 0
+        else:
+            await self._async_step(lane.rank)
+        return 0
+
+    def _sync_step(self, path: TokenPath) -> int:
+        s = self.ctx.step
+        t0, c0 = now(), self.clock.total()
+        if self.ctx.is_last:
+            path.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
+            cpu = now() - t0 - (self.clock.total() - c0)
+            assert path.last_issue is not None
+            wait_work(path.last_issue[2], timeout_s=self.config.timeout_s,
+                      what=self._what("c send"), peer=None)
+            return cpu
+        path.post(s.view)
+        released = path.consume()
+        cpu = now() - t0 - (self.clock.total() - c0)
+        self._check(released is not None and released.num_kept, "c")
+        return cpu
+
+    async def _async_step(self, rank: Rank) -> None:
+        s = self.ctx.step
+        if self.ctx.is_last:
+            await rank.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
+            issue = rank.path.last_issue
+            assert issue is not None
+            await completed(issue[2], timeout_s=self.config.timeout_s,
+                            what=self._what("d send"), peer=None)
+            return
+        await rank.post(s.view)
+        released = await rank.take()
+        self._check(released is not None and released.num_kept, "d")
+
+    def _check(self, kept: int | bool, variant: str) -> None:
+        if kept != self.ctx.opts.rows:
+            raise PPSyncError(f"{self._what(variant)}: released {int(kept)} rows, "
+                              f"expected {self.ctx.opts.rows}")
+
+    async def _iteration(self, i: int, base_ns: int | None, slot_ns: int,
+                         t_in: np.ndarray, t_out: np.ndarray, t_end: np.ndarray,
+                         cpu: np.ndarray) -> None:
+        """Iteration i: every column once. t_out is when the token traffic
+        finished; t_end when the column's hidden-state traffic did too."""
+        hidden = self.ctx.hidden
+        V = self.width
+        for j in range(V):
+            k = (i + j) % V  # the same order on every rank
+            if base_ns is not None:
+                wait_until(base_ns + (i * V + j) * slot_ns)
+            works = hidden.issue() if hidden is not None else []
+            t_in[i, k] = now()
+            own = await self.one(k)
+            t_out[i, k] = now()
+            if hidden is not None:
+                hidden.wait(works)
+            t_end[i, k] = now()
+            if own:
+                cpu[i] = own
+
+    async def run(self) -> LockstepRankResult:
+        ctx, o = self.ctx, self.ctx.opts
+        async with AsyncExitStack() as stack:
+            for _, group in ctx.groups:
+                rank = await stack.enter_async_context(open_rank(self.config, group))
+                self.lanes.append(_Lane(group, TokenPath(self.config, group), rank))
+            if not ctx.is_last:  # open each ring's tail: every step is post, then consume
+                for lane in self.lanes:
+                    lane.path.consume()
+                    await lane.rank.take()
+            beat = Heartbeat()
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            await tg.start(beat.run)
+            V = self.width
+            w_in, w_out, w_end = (np.zeros((o.warmup, V), dtype=np.int64) for _ in range(3))
+            w_cpu = np.zeros(o.warmup, dtype=np.int64)
+            for i in range(o.warmup):
+                await self._iteration(i, None, 0, w_in, w_out, w_end, w_cpu)
+            slot_ns = world_max(self._slot_proposal(w_end - w_in), timeout_s=self.config.timeout_s)
+            base_ns = world_start(START_LEAD_NS, timeout_s=self.config.timeout_s)
+            t_in, t_out, t_end = (np.zeros((o.iters, V), dtype=np.int64) for _ in range(3))
+            cpu = np.zeros(o.iters, dtype=np.int64)
+            for i in range(o.iters):
+                await self._iteration(i, base_ns, slot_ns, t_in, t_out, t_end, cpu)
+            tg.cancel_scope.cancel()
+            for lane in self.lanes:
+                lane.path.close()
+        due, woke = beat.arrays(since_ns=base_ns)
+        d_cols = [k for k in range(V) if k % len(VARIANTS) == 3]
+        starts, ends = t_in[:, d_cols].ravel(), t_out[:, d_cols].ravel()
+        order = np.argsort(starts)
+        lag = overdue_within(due, woke, starts[order], ends[order])
+        return LockstepRankResult(t_in, t_out, cpu, lag, slot_ns)
+
+    def _slot_proposal(self, windows_ns: np.ndarray) -> int:
+        """A slot that fits a little over twice the slowest column's p90."""
+        if windows_ns.shape[0] == 0:
+            return 4 * MIN_SLOT_NS
+        p90 = np.percentile(windows_ns, 90, axis=0)
+        return max(MIN_SLOT_NS, int(2 * p90.max()) + 200_000)
+
+
+async def _lockstep(ctx: RankCtx) -> LockstepRankResult:
+    with issue_clock() as clock:
+        return await _Lockstep(ctx, clock).run()
+
+
+def lockstep_rank(ctx: RankCtx) -> LockstepRankResult:
+    """This rank's part of the lockstep benchmark."""
+    return run_async(_lockstep, ctx)
