@@ -146,7 +146,7 @@ class PPHandler:
         """Check this step's sampler outputs (all before any collective) and
         send them; with K > 0, hold them for :meth:`broadcast_drafts`."""
         self._flush_held()  # the previous step's drafts did not come
-        step = self._path.prepare(
+        step, _ = self._path.prepare(
             batch_view_of(input_batch), sampled_token_ids, num_sampled, num_rejected
         )
         if self.config.num_speculative_steps == 0:

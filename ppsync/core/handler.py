@@ -215,9 +215,11 @@ class TokenPath:
         sampled_token_ids: torch.Tensor,
         num_sampled: torch.Tensor,
         num_rejected: torch.Tensor,
-    ) -> PreparedStep:
-        """Check one step's batch view and sampler outputs (last rank);
-        nothing is sent."""
+        draft_tokens: torch.Tensor | None = None,
+    ) -> tuple[PreparedStep, np.ndarray | None]:
+        """Check one step's batch view, sampler outputs and (optional) drafts
+        [num_reqs, K] (last rank); nothing is sent. Returns the prepared step
+        and the drafts' host array."""
         self._check_role("broadcast", last=True)
         validate_batch(view, self.config.max_num_reqs)
         tokens_np, ns_np, nr_np = check_sampled(
@@ -226,7 +228,10 @@ class TokenPath:
             sample_width=self.config.sample_width,
             num_drafts=self.config.num_speculative_steps,
         )
-        return PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np)
+        drafts_np = None if draft_tokens is None else check_step_drafts(
+            draft_tokens, num_reqs=view.num_reqs, num_drafts=self.config.num_speculative_steps,
+        )
+        return PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np), drafts_np
 
     def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
@@ -264,14 +269,8 @@ class TokenPath:
     ) -> int:
         """Check and broadcast one step (last rank). Returns the rows needing a
         sample; 0 means the step had no transfer on any rank."""
-        step = self.prepare(view, sampled_token_ids, num_sampled, num_rejected)
-        drafts_np = None
-        if draft_tokens is not None:
-            drafts_np = check_step_drafts(
-                draft_tokens, num_reqs=view.num_reqs,
-                num_drafts=self.config.num_speculative_steps,
-            )
-        return self.send(step, drafts_np)
+        return self.send(*self.prepare(view, sampled_token_ids, num_sampled, num_rejected,
+                                       draft_tokens))
 
     # -- receivers --------------------------------------------------------
 

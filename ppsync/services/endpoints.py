@@ -18,7 +18,7 @@ import torch
 from anyio.abc import TaskStatus
 
 from ppsync.core.batch import BatchView
-from ppsync.core.checks import check_draft_target, check_step_drafts
+from ppsync.core.checks import check_draft_target
 from ppsync.core.handler import TokenPath
 from ppsync.core.released import ReleasedStep
 from ppsync.errors import RoleError
@@ -89,10 +89,8 @@ class BroadcastService(_Service):
         Bad input raises before anything is issued. Cancelled before the
         issue: nothing was sent and the step can be published again.
         Cancelled after it: the frame goes out; only its watching is lost."""
-        step = self.path.prepare(view, sampled_token_ids, num_sampled, num_rejected)
-        drafts_np = None if draft_tokens is None else check_step_drafts(
-            draft_tokens, num_reqs=view.num_reqs,
-            num_drafts=self.path.config.num_speculative_steps,
+        step, drafts_np = self.path.prepare(
+            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens
         )
         self._record(view, step.num_needed, drafts_np is not None)
         await self._before_issue()
