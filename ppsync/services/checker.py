@@ -52,6 +52,8 @@ class Checker:
         draft_table: torch.Tensor | None = None,  # [max_num_reqs, K]
     ) -> None:
         """Check what the consume at step ``now`` released (step now - D)."""
+        for req_id in self.workload.retired:
+            self._delivered_upto.pop(req_id, None)
         rec = self.workload.history.get(now - self.workload.depth)
         t = self.tally
         if rec is None:

@@ -17,6 +17,7 @@ The workload's own rule for which rows sample is written independently of
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +116,8 @@ class Workload:
     waiting: list[Request] = field(default_factory=list)
     history: dict[int, ScheduledStep] = field(default_factory=dict)
     freed_at: dict[int, int] = field(default_factory=dict)  # req_id -> step freed
+    retired: list[int] = field(default_factory=list)  # req_ids gone for good, D steps ago
+    _freed_log: deque[tuple[int, int, bool]] = field(default_factory=deque)  # (step, id, final)
     _free_slots: list[int] = field(default_factory=list)
     _next_req: int = 0
     _seq: int = 0
@@ -130,16 +133,30 @@ class Workload:
     def _rng(self, t: int, what: int) -> np.random.Generator:
         return np.random.default_rng([self.cfg.seed, t, what])
 
-    def _free(self, req: Request, t: int) -> int:
+    def _free(self, req: Request, t: int, *, final: bool = True) -> int:
         del self.live[req.slot]
         heapq.heappush(self._free_slots, req.slot)
         self.freed_at[req.req_id] = t
+        self._freed_log.append((t, req.req_id, final))
         return req.slot
+
+    def _retire(self, t: int) -> None:
+        """Forget requests freed more than D steps ago (no step in flight can
+        still name them), so a long run's memory stays flat."""
+        self.retired.clear()
+        log = self._freed_log
+        while log and log[0][0] < t - self.depth:
+            step, req_id, final = log.popleft()
+            if self.freed_at.get(req_id) == step:
+                del self.freed_at[req_id]
+                if final:
+                    self.retired.append(req_id)
 
     def begin_step(self, t: int) -> list[int]:
         """Apply step t-D's samples, then finishes, aborts, preemptions and
         arrivals. Returns the request slots freed, in order."""
         freed: list[int] = []
+        self._retire(t)
         done = self.history.pop(t - self.depth, None)
         if done is not None:
             self._apply(done, t, freed)
@@ -150,7 +167,7 @@ class Workload:
             if u < self.cfg.abort_p:
                 freed.append(self._free(req, t))
             elif u < self.cfg.abort_p + self.cfg.preempt_p and not req.in_flight:
-                freed.append(self._free(req, t))
+                freed.append(self._free(req, t, final=False))
                 req.prefill_len, req.num_computed = req.num_tokens, 0
                 self.waiting.append(req)
         if t < self.cfg.steps:
