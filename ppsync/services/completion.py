@@ -89,5 +89,10 @@ async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
             peer=None if path.is_last else path.src, board=path.board,
         )
     except PPSyncError as e:
+        if path.board is None:
+            raise
         # naming waits up to the board's grace for the survivors: off the loop
-        raise await anyio.to_thread.run_sync(path.failed, e) from e
+        named = await anyio.to_thread.run_sync(path.failed, e)
+        if named is e:
+            raise
+        raise named from e

@@ -14,6 +14,7 @@ One task per rank calls a service's methods, in the engine order of
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import torch
 from anyio.abc import TaskStatus
 
@@ -89,6 +90,7 @@ class BroadcastService(_Service):
         Bad input raises before anything is issued. Cancelled before the
         issue: nothing was sent and the step can be published again.
         Cancelled after it: the frame goes out; only its watching is lost."""
+        await anyio.lowlevel.checkpoint()  # a step without a wait still yields
         step, drafts_np = self.path.prepare(
             view, sampled_token_ids, num_sampled, num_rejected, draft_tokens
         )
@@ -111,6 +113,7 @@ class ReceiveService(_Service):
         """Post this step's receive; return once it is issued. Returns the
         rows needing a sample (0: no transfer this step). Bad input raises
         before anything is issued."""
+        await anyio.lowlevel.checkpoint()  # a step without a transfer still yields
         needed = self.path.post(view)
         self._record(view, needed, False)
         if needed:
@@ -123,6 +126,7 @@ class ReceiveService(_Service):
         None for an empty slot or when every row is excluded (then it does not
         wait). Cancelled while waiting: nothing was consumed, the ring is as
         before, and take() may be called again."""
+        await anyio.lowlevel.checkpoint()  # a completed or empty slot still yields
         c = self.path.config
         if draft_tokens_to_update is not None:
             check_draft_target(draft_tokens_to_update, max_num_reqs=c.max_num_reqs,

@@ -8,6 +8,7 @@ whole run killed and a :class:`SyncTimeout`, never an endless hang.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -67,6 +68,9 @@ def _child(job: _Job[R], conn: Connection) -> None:
     """Body of a rank process. Leaves with os._exit so that gloo's threads
     cannot abort the process at interpreter exit after a failed collective."""
     code = 0
+    # Objects inherited by fork belong to the parent; this process's gc must not
+    # free them (a parent TCPStore freed here waits on a thread this process lacks).
+    gc.freeze()
     try:
         os.environ.update(job.env)
         timeout = datetime.timedelta(seconds=job.timeout_s)
@@ -167,3 +171,4 @@ def spawn_ranks(
                 p.join(timeout=5.0)
         for c in conns:
             c.close()
+        del store  # a traceback holding this frame must not keep the server alive
