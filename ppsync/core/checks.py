@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ppsync.core.batch import unsigned_max
 from ppsync.errors import BatchError
 
 _INT_DTYPES = (torch.int64, torch.int32)
@@ -22,6 +23,8 @@ def _host(name: str, t: object, ndim: int) -> np.ndarray:
         raise BatchError(f"{name}.dtype = {t.dtype} must be torch.int64 or torch.int32")
     if t.dim() != ndim:
         raise BatchError(f"{name} has {t.dim()} dims, shape {tuple(t.shape)}; {ndim} expected")
+    if t.is_cpu and not t.requires_grad:
+        return t.numpy()  # shares memory; half the cost of detach().cpu().numpy()
     return t.detach().cpu().numpy()
 
 
@@ -58,11 +61,11 @@ def check_sampled(
         if a.shape[0] != num_reqs:
             raise BatchError(f"{name}.shape = {a.shape} must be (num_reqs,) = ({num_reqs},)")
     if num_reqs:
-        if int(ns_np.min()) < 0 or int(ns_np.max()) > w:
+        if unsigned_max(ns_np) > w:  # one pass catches negatives too
             bad = (ns_np < 0) | (ns_np > w)
             rule = f"outside [0, w = {w}] (the sample width sent)"
             raise _first_bad("num_sampled", ns_np, bad, rule)
-        if int(nr_np.min()) < 0 or int(nr_np.max()) > num_drafts:
+        if unsigned_max(nr_np) > num_drafts:
             bad = (nr_np < 0) | (nr_np > num_drafts)
             raise _first_bad(
                 "num_rejected", nr_np, bad, f"outside [0, K = {num_drafts}] (num_speculative_steps)"

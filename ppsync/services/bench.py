@@ -77,9 +77,12 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     lockstep = _lockstep_stats(opts, lock)
     pipelined = _pipelined_stats(opts, pipe)
     last_micro, recv_micro = micro_cpu(opts)
+    pipe_cpu = [np.concatenate(r.series["ppsync_sync@dedicated"].cpu_ns) for r in pipe]
     cpu = CpuStats(
         last_inrun_p50_us=pct_us(lock[-1].cpu_ns, 50),
         receiver_inrun_p50_us=max(pct_us(r.cpu_ns, 50) for r in lock[:-1]),
+        last_pipelined_p50_us=pct_us(pipe_cpu[-1], 50),
+        receiver_pipelined_p50_us=max(pct_us(a, 50) for a in pipe_cpu[:-1]),
         last_micro_p50_us=last_micro,
         receiver_micro_p50_us=recv_micro,
     )
@@ -184,8 +187,8 @@ def _targets(opts: BenchOptions, ratios: dict[str, float], cpu: CpuStats, lag_p9
         ("lockstep c/b", ratios["c/b"], 0.6 if opts.spec == 0 else 0.45),
         ("lockstep c/a", ratios["c/a"], 1.15),
         ("lockstep d/a", ratios["d/a"], 1.5),
-        ("own CPU last rank us", cpu.last_inrun_p50_us, 10.0),
-        ("own CPU receiver us", cpu.receiver_inrun_p50_us, 10.0),
+        ("own CPU last rank us (micro)", cpu.last_micro_p50_us, 10.0),
+        ("own CPU receiver us (micro)", cpu.receiver_micro_p50_us, 10.0),
         ("loop lag p99 us (lockstep d)", lag_p99_us, 2000.0),
         ("loop lag p99 us (pipelined async)", async_lag, 2000.0),
     ]
@@ -208,6 +211,7 @@ def _opt(v: float | None, fmt: str) -> str:
 def format_tables(report: BenchReport) -> str:
     """The tables ``ppsync bench`` prints (times in µs)."""
     o, r = report.options, report.ratios
+    n_rounds, per_round = rounds(o.pipelined_iters)
     hidden = f", hidden {o.hidden[0]}x{o.hidden[1]}" if o.hidden else ""
     lines = [
         f"lockstep: P={o.pp_size} rows={o.rows} K={o.spec} iters={o.iters} "
@@ -218,17 +222,19 @@ def format_tables(report: BenchReport) -> str:
         lines.append(f"{s.variant:<16} {s.group:<9} {s.span_p50_us:>9.1f} {s.span_p99_us:>9.1f} "
                      f"{s.last_p50_us:>9.1f} {s.receiver_p50_us:>9.1f}")
     lines.append(f"ratios (span p50): c/a {r['c/a']:.2f}  c/b {r['c/b']:.2f}  "
-                 f"d/a {r['d/a']:.2f}  d/b {r['d/b']:.2f}")
+                 f"d/a {r['d/a']:.2f}  d/b {r['d/b']:.2f}   "
+                 "(span: first rank in to last rank out)")
     c = report.cpu
     lines += [
-        f"own CPU per step (p50): last {c.last_inrun_p50_us:.1f} us in-run / "
-        f"{c.last_micro_p50_us:.1f} us micro; receiver {c.receiver_inrun_p50_us:.1f} us "
-        f"in-run / {c.receiver_micro_p50_us:.1f} us micro",
+        "own CPU per step (p50 of thread CPU time, us): lockstep c / pipelined sync / "
+        "micro (one process, no collective)",
+        f"  last rank {c.last_inrun_p50_us:.1f} / {c.last_pipelined_p50_us:.1f} / "
+        f"{c.last_micro_p50_us:.1f};  receiver {c.receiver_inrun_p50_us:.1f} / "
+        f"{c.receiver_pipelined_p50_us:.1f} / {c.receiver_micro_p50_us:.1f}",
         f"loop lag p99 (d): {report.lockstep_lag_p99_us:.1f} us",
         "",
         f"pipelined: P={o.pp_size} rows={o.rows} K={o.spec} compute={o.compute_us} us "
-        f"D={o.pp_size} steps={rounds(o.pipelined_iters)[0] * rounds(o.pipelined_iters)[1]}"
-        f"{hidden} (times in us)",
+        f"D={o.pp_size} steps={n_rounds * per_round} in {n_rounds} rounds{hidden} (times in us)",
         _PIPE_HEAD,
     ]
     for p in report.pipelined:
@@ -238,14 +244,20 @@ def format_tables(report: BenchReport) -> str:
             f"{p.blocked_receiver_p50_us:>8.1f} {_opt(p.complete_at_consume, '.3f'):>9} "
             f"{_opt(p.lag_p99_us, '.1f'):>8}"
         )
+    lines.append("blk: time per step the loop spent in the token path; done@cons: share of "
+                 "receiver steps whose transfer had completed before consume")
     lines.append(
         f"ratios (p50): sync/seeds step {r['sync/seeds step']:.2f} blocked "
         f"{r['sync/seeds blocked']:.2f}; async/seeds step {r['async/seeds step']:.2f} "
         f"blocked {r['async/seeds blocked']:.2f}"
     )
     if o.hidden is not None:
-        world = "  ".join(f"{k} {v:.2f}" for k, v in r.items() if "world" in k)
-        lines += ["", f"world group vs dedicated: {world}"]
+        at_world = "  ".join(f"{k.removesuffix('@world')} {v:.2f}"
+                             for k, v in r.items() if k.endswith("@world"))
+        vs = "  ".join(f"{k.removesuffix(' world/dedicated')} {v:.2f}"
+                       for k, v in r.items() if k.endswith("world/dedicated"))
+        lines += ["", f"ratios on the world group: {at_world}",
+                  f"world group vs dedicated (p50, world / dedicated): {vs}"]
     ref = "" if report.reference_config else " (set for P=2, 256 rows, C=400 us; not this run)"
     lines += ["", f"targets{ref}:"]
     for t in report.targets:

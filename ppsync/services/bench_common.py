@@ -25,6 +25,7 @@ from ppsync.core.transport import broadcast_async, wait_work
 from ppsync.services.bench_model import BenchOptions
 
 now = time.perf_counter_ns  # CLOCK_MONOTONIC: one clock for every rank process
+cpu_now = time.thread_time_ns  # this thread's CPU time: immune to preemption on a busy machine
 
 
 def spin_ns(ns: int) -> None:
@@ -199,8 +200,9 @@ class Heartbeat:
 
 @dataclass
 class IssueClock:
-    """Time the core spent issuing collectives and waiting on transfers that
-    had not completed; the rest of a call is ppsync's own CPU."""
+    """CPU time (this thread's) the core spent issuing collectives and
+    waiting on transfers that had not completed; the rest of a call's CPU time
+    is ppsync's own."""
 
     issue_ns: int = 0
     wait_ns: int = 0
@@ -220,21 +222,21 @@ def issue_clock() -> Iterator[IssueClock]:
     clock = IssueClock()
 
     def timed_issue(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
-        t0 = now()
+        t0 = cpu_now()
         try:
             return broadcast_async(buf, src, group)
         finally:
-            clock.issue_ns += now() - t0
+            clock.issue_ns += cpu_now() - t0
 
     def timed_wait(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
         if work.is_completed():  # nothing to wait for: the call is ppsync's CPU
             wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
             return
-        t0 = now()
+        t0 = cpu_now()
         try:
             wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
         finally:
-            clock.wait_ns += now() - t0
+            clock.wait_ns += cpu_now() - t0
 
     swaps = {"broadcast_async": (timed_issue, broadcast_async),
              "wait_work": (timed_wait, wait_work)}

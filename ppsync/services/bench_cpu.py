@@ -25,7 +25,7 @@ from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
-from ppsync.services.bench_common import FixedStep, fixed_step, now
+from ppsync.services.bench_common import FixedStep, cpu_now, fixed_step
 from ppsync.services.bench_model import BenchOptions, pct_us
 
 
@@ -81,16 +81,17 @@ class _Micro:
 
 
 def micro_cpu(opts: BenchOptions, *, iters: int = 2000) -> tuple[float, float]:
-    """(last rank, receiver) median µs per step, no collective involved."""
+    """(last rank, receiver) median µs of CPU time per step (this thread's,
+    so another process taking the core does not count), no collective."""
     m = _Micro(opts)
     last_ns = np.zeros(iters, dtype=np.int64)
     recv_ns = np.zeros(iters, dtype=np.int64)
     for i in range(iters):
-        t0 = now()
+        t0 = cpu_now()
         buf = m.last(i)
-        t1 = now()
+        t1 = cpu_now()
         m.receiver(i, buf)
-        t2 = now()
+        t2 = cpu_now()
         last_ns[i], recv_ns[i] = t1 - t0, t2 - t1
     warm = iters // 10
     return pct_us(last_ns[warm:], 50), pct_us(recv_ns[warm:], 50)

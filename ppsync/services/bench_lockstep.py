@@ -11,8 +11,9 @@ collectives in the same order):
   consume() the step they just posted;
 - ``d_ppsync_async``: the same through ``open_rank`` under anyio on asyncio.
 
-After ``warmup`` back-to-back iterations the ranks agree on a time slot (a
-little over twice the slowest variant's p90) and a start instant; variant j of
+After ``warmup`` back-to-back iterations the ranks agree on a time slot
+(twice the slowest variant's p75 plus 0.2 ms, shrunk if the run would pass
+75 s) and a start instant; variant j of
 iteration i then starts at ``t0 + (i * V + j) * slot`` on every rank, so each
 variant starts from a quiet group with every rank in at once, and a variant's
 span (first rank in, last rank out) carries no skew left by the one before.
@@ -40,6 +41,7 @@ from ppsync.services.bench_common import (
     IssueClock,
     RankCtx,
     SeedsBuffers,
+    cpu_now,
     issue_clock,
     now,
     run_async,
@@ -54,6 +56,7 @@ from ppsync.services.runtime import Rank, open_rank
 
 VARIANTS = ("a_raw_frame", "b_seeds", "c_ppsync_sync", "d_ppsync_async")
 MIN_SLOT_NS = 500_000
+MAX_RUN_NS = 75_000_000_000  # the slots of a whole run: past this they shrink
 START_LEAD_NS = 50_000_000
 
 
@@ -101,9 +104,9 @@ class _Lockstep:
     def _what(self, variant: str) -> str:
         return f"bench rank {self.ctx.rank}: {variant}"
 
-    async def one(self, k: int) -> int:
+    async def one(self, k: int) -> int | None:
         """Run column k once; return ppsync's own CPU (ns) when k is c on
-        the dedicated group, else 0."""
+        the dedicated group, else None."""
         lane = self.lanes[k // len(VARIANTS)]
         v = k % len(VARIANTS)
         ctx, timeout_s = self.ctx, self.config.timeout_s
@@ -115,25 +118,27 @@ class _Lockstep:
                      what=self._what("b"))
         elif v == 2:
             cpu = self._sync_step(lane.path)
-            return cpu if k == 2 else 0
+            return cpu if k == 2 else None
         else:
             await self._async_step(lane.rank)
-        return 0
+        return None
 
     def _sync_step(self, path: TokenPath) -> int:
+        """Variant c; returns ppsync's own CPU time (this thread's, less the
+        collective's issue and waits)."""
         s = self.ctx.step
-        t0, c0 = now(), self.clock.total()
+        t0, c0 = cpu_now(), self.clock.total()
         if self.ctx.is_last:
             path.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
-            cpu = now() - t0 - (self.clock.total() - c0)
+            cpu = cpu_now() - t0 - (self.clock.total() - c0)
             assert path.last_issue is not None
             wait_work(path.last_issue[2], timeout_s=self.config.timeout_s,
                       what=self._what("c send"), peer=None)
             return cpu
         path.post(s.view)
         released = path.consume()
-        cpu = now() - t0 - (self.clock.total() - c0)
-        self._check(released is not None and released.num_kept, "c")
+        cpu = cpu_now() - t0 - (self.clock.total() - c0)
+        self._check(0 if released is None else released.num_kept, "c")
         return cpu
 
     async def _async_step(self, rank: Rank) -> None:
@@ -147,11 +152,11 @@ class _Lockstep:
             return
         await rank.post(s.view)
         released = await rank.take()
-        self._check(released is not None and released.num_kept, "d")
+        self._check(0 if released is None else released.num_kept, "d")
 
-    def _check(self, kept: int | bool, variant: str) -> None:
+    def _check(self, kept: int, variant: str) -> None:
         if kept != self.ctx.opts.rows:
-            raise PPSyncError(f"{self._what(variant)}: released {int(kept)} rows, "
+            raise PPSyncError(f"{self._what(variant)}: released {kept} rows, "
                               f"expected {self.ctx.opts.rows}")
 
     async def _iteration(self, i: int, base_ns: int | None, slot_ns: int,
@@ -172,7 +177,7 @@ class _Lockstep:
             if hidden is not None:
                 hidden.wait(works)
             t_end[i, k] = now()
-            if own:
+            if own is not None:
                 cpu[i] = own
 
     async def run(self) -> LockstepRankResult:
@@ -194,6 +199,9 @@ class _Lockstep:
             for i in range(o.warmup):
                 await self._iteration(i, None, 0, w_in, w_out, w_end, w_cpu)
             slot_ns = world_max(self._slot_proposal(w_end - w_in), timeout_s=self.config.timeout_s)
+            # a loaded machine inflates the slot; keep the run bounded (a slot
+            # shorter than a variant only makes the next one start late)
+            slot_ns = max(MIN_SLOT_NS, min(slot_ns, MAX_RUN_NS // (o.iters * V)))
             base_ns = world_start(START_LEAD_NS, timeout_s=self.config.timeout_s)
             t_in, t_out, t_end = (np.zeros((o.iters, V), dtype=np.int64) for _ in range(3))
             cpu = np.zeros(o.iters, dtype=np.int64)
@@ -210,11 +218,11 @@ class _Lockstep:
         return LockstepRankResult(t_in, t_out, cpu, lag, slot_ns)
 
     def _slot_proposal(self, windows_ns: np.ndarray) -> int:
-        """A slot that fits a little over twice the slowest column's p90."""
+        """A slot that fits twice the slowest column's p75, plus 0.2 ms."""
         if windows_ns.shape[0] == 0:
             return 4 * MIN_SLOT_NS
-        p90 = np.percentile(windows_ns, 90, axis=0)
-        return max(MIN_SLOT_NS, int(2 * p90.max()) + 200_000)
+        p75 = np.percentile(windows_ns, 75, axis=0)
+        return max(MIN_SLOT_NS, int(2 * p75.max()) + 200_000)
 
 
 async def _lockstep(ctx: RankCtx) -> LockstepRankResult:

@@ -125,17 +125,25 @@ class PipelinedStats(BaseModel):
 
 
 class CpuStats(BaseModel):
-    """ppsync's own CPU per step: everything but the collective."""
+    """ppsync's own CPU per step: everything but the collective, as the
+    calling thread's CPU time (time.thread_time_ns), so a busy machine taking
+    the core away mid-call does not count."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     last_inrun_p50_us: float
-    """Last rank, variant c: publish() time minus the broadcast issue."""
+    """Last rank, variant c: publish() CPU time minus the broadcast issue's."""
     receiver_inrun_p50_us: float
-    """A receiver, variant c: post() + consume() time minus the receive's issue
-    and the wait on a transfer that had not completed."""
+    """A receiver, variant c: post() + consume() CPU time minus the receive's
+    issue and the wait on a transfer that had not completed."""
+    last_pipelined_p50_us: float
+    """Last rank, ppsync_sync in the pipelined loop (dedicated group): the
+    same measure between compute spins."""
+    receiver_pipelined_p50_us: float
+    """A receiver, ppsync_sync in the pipelined loop: consume() + post()."""
     last_micro_p50_us: float
-    """Single process, no collective: checks + FrameCodec.pack at these rows."""
+    """Single process, no collective: checks + FrameCodec.pack at these rows
+    (the figure the target is checked against: the code's own cost)."""
     receiver_micro_p50_us: float
     """Single process, no collective: post-side checks + FrameCodec.check +
     the release arrays at these rows."""

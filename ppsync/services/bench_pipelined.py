@@ -34,8 +34,11 @@ from ppsync.errors import PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.bench_common import (
     Heartbeat,
+    IssueClock,
     RankCtx,
     SeedsBuffers,
+    cpu_now,
+    issue_clock,
     now,
     run_async,
     spin_ns,
@@ -59,6 +62,7 @@ class Series:
     counted: int = 0  # receiver steps with a transfer at the head
     lag_ns: list[np.ndarray] = field(default_factory=list)  # lateness in token calls
     lag_raw_ns: list[np.ndarray] = field(default_factory=list)  # raw heartbeat lateness
+    cpu_ns: list[np.ndarray] = field(default_factory=list)  # ppsync_sync: own CPU per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +84,12 @@ class _Chunk:
     ctx: RankCtx
     group: dist.ProcessGroup
     config: SyncConfig
+    clock: IssueClock
     warm: int
     n: int
     marks: np.ndarray = field(init=False)  # [warm + n + 1] int64 step starts, then the end
     blocked: np.ndarray = field(init=False)  # [warm + n] int64
+    cpu: np.ndarray = field(init=False)  # [warm + n] int64 own CPU (ppsync_sync)
     windows: list[tuple[int, int]] = field(default_factory=list)  # token calls (async)
     complete: int = 0
     counted: int = 0
@@ -92,6 +98,7 @@ class _Chunk:
     def __post_init__(self) -> None:
         self.marks = np.zeros(self.total + 1, dtype=np.int64)
         self.blocked = np.zeros(self.total, dtype=np.int64)
+        self.cpu = np.zeros(self.total, dtype=np.int64)
 
     @property
     def total(self) -> int:
@@ -128,6 +135,7 @@ class _Chunk:
     def store(self, into: Series) -> None:
         into.step_ns.append(np.diff(self.marks)[self.warm :])
         into.blocked_ns.append(self.blocked[self.warm :])
+        into.cpu_ns.append(self.cpu[self.warm :])
         into.complete += self.complete
         into.counted += self.counted
 
@@ -152,19 +160,23 @@ def _seeds(c: _Chunk) -> None:
 def _ppsync_sync(c: _Chunk) -> None:
     ctx, s = c.ctx, c.ctx.step
     path = TokenPath(c.config, c.group)
+    clock = c.clock
     for t in range(c.total):
         c.marks[t] = t0 = now()
         if not ctx.is_last:
             c.head_done(t, path)
+            u0, k0 = cpu_now(), clock.total()
             released = path.consume()
             path.post(s.view)
             c.blocked[t] = now() - t0
+            c.cpu[t] = cpu_now() - u0 - (clock.total() - k0)
             c.check(0 if released is None else released.num_kept, t)
         c.compute()
         if ctx.is_last:
-            t1 = now()
+            t1, u0, k0 = now(), cpu_now(), clock.total()
             path.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
             c.blocked[t] = now() - t1
+            c.cpu[t] = cpu_now() - u0 - (clock.total() - k0)
     c.finish()
     path.close()  # waits (bounded) for the last D transfers on every rank
 
@@ -222,9 +234,11 @@ def pipelined_rank(ctx: RankCtx) -> PipelinedRankResult:
     warm = max(2 * config.depth, o.warmup // n_rounds)
     runs = [(scheme, name, group) for name, group in ctx.groups for scheme in SCHEMES]
     out = {f"{scheme}@{name}": Series() for scheme, name, _ in runs}
-    for r in range(n_rounds):
-        for j in range(len(runs)):
-            scheme, name, group = runs[(r + j) % len(runs)]  # the same on every rank
-            world_barrier(timeout_s=o.timeout_s)
-            _run_chunk(scheme, _Chunk(ctx, group, config, warm, n), out[f"{scheme}@{name}"])
+    with issue_clock() as clock:
+        for r in range(n_rounds):
+            for j in range(len(runs)):
+                scheme, name, group = runs[(r + j) % len(runs)]  # the same on every rank
+                world_barrier(timeout_s=o.timeout_s)
+                chunk = _Chunk(ctx, group, config, clock, warm, n)
+                _run_chunk(scheme, chunk, out[f"{scheme}@{name}"])
     return PipelinedRankResult(out)
