@@ -34,7 +34,7 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
-from ppsync.core.transport import broadcast_async, wait_work
+from ppsync.core.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import (
     BatchError,
     ConfigError,
@@ -111,6 +111,17 @@ class TokenPath:
         self._closed = False
         self.last_issue: tuple[int, torch.Tensor, dist.Work] | None = None
         """(seq, buffer, work) of the most recent collective issued."""
+        self.clock: TransportClock | None = None
+        """When set, collects the CPU time of issues and of real waits."""
+
+    def _issue(self, buf: torch.Tensor) -> dist.Work:
+        if self.clock is None:
+            return broadcast_async(buf, self.src, self.group)
+        t0 = time.thread_time_ns()
+        try:
+            return broadcast_async(buf, self.src, self.group)
+        finally:
+            self.clock.issue_ns += time.thread_time_ns() - t0
 
     # -- shared ---------------------------------------------------------
 
@@ -159,6 +170,16 @@ class TokenPath:
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait at most timeout_s; with a board, in slices, so that a failure
         any rank posted ends this wait within about a slice."""
+        if self.clock is None or work.is_completed():
+            self._wait_untimed(work, what)
+            return
+        t0 = time.thread_time_ns()
+        try:
+            self._wait_untimed(work, what)
+        finally:
+            self.clock.wait_ns += time.thread_time_ns() - t0
+
+    def _wait_untimed(self, work: dist.Work, what: str) -> None:
         peer = None if self.is_last else self.src
         what = f"rank {self.rank}: {what}"
         timeout = self.config.timeout_s
@@ -253,7 +274,7 @@ class TokenPath:
         buf = codec.new_buffer(frame.num_reqs)
         codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
                    step.num_rejected_np, drafts_np)
-        work = broadcast_async(buf, self.src, self.group)
+        work = self._issue(buf)
         self._inflight.append((buf, work))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
@@ -293,7 +314,7 @@ class TokenPath:
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
         frame = FrameView(self.seq, view.num_reqs, self.codec.idx_digest(idx_np))
         buf = self.codec.new_buffer(frame.num_reqs)
-        work = broadcast_async(buf, self.src, self.group)
+        work = self._issue(buf)
         self.ring.fill_tail(
             PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
         )

@@ -9,6 +9,7 @@ wait.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,19 @@ _LOST_MARKERS = (
     "eof",
     "aborted",
 )
+
+
+@dataclass
+class TransportClock:
+    """CPU time this thread spent issuing the token path's collectives and
+    waiting on transfers that had not completed (benchmarks subtract it from a
+    call's CPU time to get ppsync's own)."""
+
+    issue_ns: int = 0
+    wait_ns: int = 0
+
+    def total(self) -> int:
+        return self.issue_ns + self.wait_ns
 
 
 def broadcast_async(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:

@@ -7,8 +7,7 @@ collectives that align ranks. Every wait is bounded by ``timeout_s``.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,7 +17,6 @@ import torch
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
-from ppsync.core import handler
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.transport import broadcast_async, wait_work
@@ -196,57 +194,6 @@ class Heartbeat:
 
 
 # -- ppsync's own CPU: the collective's issue and waits, timed apart ------------
-
-
-@dataclass
-class IssueClock:
-    """CPU time (this thread's) the core spent issuing collectives and
-    waiting on transfers that had not completed; the rest of a call's CPU time
-    is ppsync's own."""
-
-    issue_ns: int = 0
-    wait_ns: int = 0
-
-    def total(self) -> int:
-        return self.issue_ns + self.wait_ns
-
-
-@contextmanager
-def issue_clock() -> Iterator[IssueClock]:
-    """Time ``ppsync.core.handler``'s broadcast issue and transfer waits.
-
-    Benchmark only, inside a rank process: for the duration of the block the
-    handler's two module-level names for ``transport.broadcast_async`` and
-    ``transport.wait_work`` point at timed wrappers (proposed core hook: a
-    per-TokenPath issue/wait clock, which would make this swap unnecessary)."""
-    clock = IssueClock()
-
-    def timed_issue(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
-        t0 = cpu_now()
-        try:
-            return broadcast_async(buf, src, group)
-        finally:
-            clock.issue_ns += cpu_now() - t0
-
-    def timed_wait(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
-        if work.is_completed():  # nothing to wait for: the call is ppsync's CPU
-            wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
-            return
-        t0 = cpu_now()
-        try:
-            wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
-        finally:
-            clock.wait_ns += cpu_now() - t0
-
-    swaps = {"broadcast_async": (timed_issue, broadcast_async),
-             "wait_work": (timed_wait, wait_work)}
-    for name, (timed, _) in swaps.items():
-        setattr(handler, name, timed)
-    try:
-        yield clock
-    finally:
-        for name, (_, real) in swaps.items():
-            setattr(handler, name, real)
 
 
 # -- one rank's context ---------------------------------------------------------

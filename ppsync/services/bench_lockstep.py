@@ -34,15 +34,13 @@ import torch.distributed as dist
 
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.handler import TokenPath
-from ppsync.core.transport import broadcast_async, wait_work
+from ppsync.core.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import PPSyncError
 from ppsync.services.bench_common import (
     Heartbeat,
-    IssueClock,
     RankCtx,
     SeedsBuffers,
     cpu_now,
-    issue_clock,
     now,
     run_async,
     wait_all,
@@ -82,7 +80,7 @@ class _Lane:
 
 
 class _Lockstep:
-    def __init__(self, ctx: RankCtx, clock: IssueClock) -> None:
+    def __init__(self, ctx: RankCtx, clock: TransportClock) -> None:
         o = ctx.opts
         self.ctx = ctx
         self.clock = clock
@@ -185,7 +183,9 @@ class _Lockstep:
         async with AsyncExitStack() as stack:
             for _, group in ctx.groups:
                 rank = await stack.enter_async_context(open_rank(self.config, group))
-                self.lanes.append(_Lane(group, TokenPath(self.config, group), rank))
+                path = TokenPath(self.config, group)
+                path.clock = rank.path.clock = self.clock
+                self.lanes.append(_Lane(group, path, rank))
             if not ctx.is_last:  # open each ring's tail: every step is post, then consume
                 for lane in self.lanes:
                     lane.path.consume()
@@ -226,8 +226,7 @@ class _Lockstep:
 
 
 async def _lockstep(ctx: RankCtx) -> LockstepRankResult:
-    with issue_clock() as clock:
-        return await _Lockstep(ctx, clock).run()
+    return await _Lockstep(ctx, TransportClock()).run()
 
 
 def lockstep_rank(ctx: RankCtx) -> LockstepRankResult:

@@ -30,15 +30,14 @@ import numpy as np
 import torch.distributed as dist
 
 from ppsync.core.handler import TokenPath
+from ppsync.core.transport import TransportClock
 from ppsync.errors import PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.bench_common import (
     Heartbeat,
-    IssueClock,
     RankCtx,
     SeedsBuffers,
     cpu_now,
-    issue_clock,
     now,
     run_async,
     spin_ns,
@@ -84,7 +83,7 @@ class _Chunk:
     ctx: RankCtx
     group: dist.ProcessGroup
     config: SyncConfig
-    clock: IssueClock
+    clock: TransportClock
     warm: int
     n: int
     marks: np.ndarray = field(init=False)  # [warm + n + 1] int64 step starts, then the end
@@ -160,7 +159,7 @@ def _seeds(c: _Chunk) -> None:
 def _ppsync_sync(c: _Chunk) -> None:
     ctx, s = c.ctx, c.ctx.step
     path = TokenPath(c.config, c.group)
-    clock = c.clock
+    clock = path.clock = c.clock
     for t in range(c.total):
         c.marks[t] = t0 = now()
         if not ctx.is_last:
@@ -184,6 +183,7 @@ def _ppsync_sync(c: _Chunk) -> None:
 async def _ppsync_async(c: _Chunk, beat: Heartbeat) -> None:
     ctx, s = c.ctx, c.ctx.step
     async with open_rank(c.config, c.group) as rank, anyio.create_task_group() as tg:
+        rank.path.clock = c.clock
         await tg.start(beat.run)
         for t in range(c.total):
             c.marks[t] = t0 = now()
@@ -234,11 +234,11 @@ def pipelined_rank(ctx: RankCtx) -> PipelinedRankResult:
     warm = max(2 * config.depth, o.warmup // n_rounds)
     runs = [(scheme, name, group) for name, group in ctx.groups for scheme in SCHEMES]
     out = {f"{scheme}@{name}": Series() for scheme, name, _ in runs}
-    with issue_clock() as clock:
-        for r in range(n_rounds):
-            for j in range(len(runs)):
-                scheme, name, group = runs[(r + j) % len(runs)]  # the same on every rank
-                world_barrier(timeout_s=o.timeout_s)
-                chunk = _Chunk(ctx, group, config, clock, warm, n)
-                _run_chunk(scheme, chunk, out[f"{scheme}@{name}"])
+    clock = TransportClock()
+    for r in range(n_rounds):
+        for j in range(len(runs)):
+            scheme, name, group = runs[(r + j) % len(runs)]  # the same on every rank
+            world_barrier(timeout_s=o.timeout_s)
+            chunk = _Chunk(ctx, group, config, clock, warm, n)
+            _run_chunk(scheme, chunk, out[f"{scheme}@{name}"])
     return PipelinedRankResult(out)
