@@ -34,7 +34,7 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
-from ppsync.core.transport import TransportClock, broadcast_async, wait_work
+from ppsync.core.transport import Broadcaster, TransportClock, wait_work
 from ppsync.errors import (
     BatchError,
     ConfigError,
@@ -100,6 +100,7 @@ class TokenPath:
         self.is_last = self.rank == config.pp_size - 1
         self.src = dist.get_global_rank(group, config.pp_size - 1)
         self.board = board
+        self._broadcaster = Broadcaster(group, config.pp_size - 1)
         check_peers_agree(config, group, rank=self.rank)
         self.codec = FrameCodec(config)
         self.generations = GenerationTable(config.max_num_reqs)
@@ -116,10 +117,10 @@ class TokenPath:
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         if self.clock is None:
-            return broadcast_async(buf, self.src, self.group)
+            return self._broadcaster.issue(buf)
         t0 = time.thread_time_ns()
         try:
-            return broadcast_async(buf, self.src, self.group)
+            return self._broadcaster.issue(buf)
         finally:
             self.clock.issue_ns += time.thread_time_ns() - t0
 

@@ -43,8 +43,28 @@ class TransportClock:
         return self.issue_ns + self.wait_ns
 
 
+class Broadcaster:
+    """Issues the token path's broadcasts on one group, from one root.
+
+    Calls the process group's own ``broadcast`` with options built once:
+    ``dist.broadcast``'s Python wrapper (group checks, rank translation) cost
+    20-50 µs per call on this machine, comparable to the rest of a step."""
+
+    def __init__(self, group: dist.ProcessGroup, root: int) -> None:
+        self.group = group
+        self.options = dist.BroadcastOptions()
+        self.options.rootRank = root  # group rank, not global
+        self.options.rootTensor = 0
+
+    def issue(self, buf: torch.Tensor) -> dist.Work:
+        """Post one broadcast of ``buf``; never blocks."""
+        work: dist.Work = self.group.broadcast([buf], self.options)
+        return work
+
+
 def broadcast_async(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
-    """Post one broadcast of ``buf`` from global rank ``src``; never blocks."""
+    """Post one broadcast of ``buf`` from global rank ``src`` through the
+    public torch.distributed call; never blocks."""
     work: dist.Work | None = dist.broadcast(buf, src=src, group=group, async_op=True)
     assert work is not None  # async_op=True always returns a handle
     return work
