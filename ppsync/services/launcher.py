@@ -7,10 +7,13 @@ whole run killed and a :class:`SyncTimeout`, never an endless hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 import traceback
@@ -71,6 +74,8 @@ def _child(job: _Job[R], conn: Connection) -> None:
     # Objects inherited by fork belong to the parent; this process's gc must not
     # free them (a parent TCPStore freed here waits on a thread this process lacks).
     gc.freeze()
+    # a stuck rank prints every thread's stack on SIGUSR1 (see _dump_stacks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         os.environ.update(job.env)
         timeout = datetime.timedelta(seconds=job.timeout_s)
@@ -93,6 +98,16 @@ def _child(job: _Job[R], conn: Connection) -> None:
     finally:
         conn.close()
         os._exit(code)
+
+
+def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
+    """Ask stuck ranks to print their threads' stacks (to their stderr)
+    before they are killed, so a hang leaves a trace."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(0.5)
 
 
 def spawn_ranks(
@@ -138,6 +153,7 @@ def spawn_ranks(
         while conns:
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks([procs[r] for r in conns.values()])
                 raise SyncTimeout(
                     f"ranks {sorted(conns.values())} did not finish within "
                     f"timeout_s + 10 = {timeout_s + 10:.0f} s"
