@@ -73,6 +73,7 @@ class FrameCodec:
         self._payload_w = _weights(self.max_num_reqs * self.row_width, salt=1)
         self._header_w = _weights(HEADER_WORDS, salt=1 << 40)
         self._idx_w = _weights(self.max_num_reqs, salt=1 << 50)
+        self._free: list[torch.Tensor] = []  # recycled fixed-size frame buffers
 
     def words(self, num_reqs: int) -> int:
         """Frame length in int64 words for a step of ``num_reqs`` rows."""
@@ -80,8 +81,19 @@ class FrameCodec:
         return HEADER_WORDS + rows * self.row_width
 
     def new_buffer(self, num_reqs: int) -> torch.Tensor:
-        """A fresh CPU frame buffer; ``.numpy()`` shares its memory."""
-        return torch.empty(self.words(num_reqs), dtype=torch.int64)
+        """A CPU frame buffer, reused from :meth:`recycle` when one of the
+        right size is free (allocating one costs ~12 µs inside a busy rank);
+        ``.numpy()`` shares its memory."""
+        words = self.words(num_reqs)
+        if self._free and self._free[-1].shape[0] == words:
+            return self._free.pop()
+        return torch.empty(words, dtype=torch.int64)
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        """Give back a buffer whose transfer has completed and whose contents
+        were copied out. Only fixed-size frames are kept (a few at most)."""
+        if not self.exact and len(self._free) < 8:
+            self._free.append(buf)
 
     def idx_digest(self, idx_mapping_np: np.ndarray) -> int:
         """Digest of a step's idx_mapping; equal views give equal digests."""

@@ -165,8 +165,9 @@ class TokenPath:
         """Drop completed works; wait the oldest while more than D are held."""
         inflight = self._inflight
         while inflight and (inflight[0][1].is_completed() or len(inflight) > self.config.depth):
-            _, work = inflight.popleft()
+            buf, work = inflight.popleft()
             self._wait(work, "earlier transfer")
+            self.codec.recycle(buf)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait at most timeout_s; with a board, in slices, so that a failure
@@ -372,9 +373,11 @@ class TokenPath:
             return None
         self._wait(head.work, f"receive of frame {head.frame.seq}")
         try:
-            return self._release(head, keep, table)
+            released = self._release(head, keep, table)
         except DesyncError as e:
             raise self.failed(e) from None
+        self.codec.recycle(head.buf)  # everything released was copied out
+        return released
 
     def _release(
         self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
@@ -386,13 +389,13 @@ class TokenPath:
         idx_out = np.where(keep, head.idx_np, -1)
         drafts = None
         if flags & FLAG_HAS_DRAFTS:
-            drafts_np = np.ascontiguousarray(rows[:, L + 2 :])
+            drafts_np = rows[:, L + 2 :].copy()  # a copy: the buffer is recycled
             drafts = torch.from_numpy(drafts_np)
             if table is not None:
                 _scatter(table, head.idx_np[keep], drafts_np[keep])
         return ReleasedStep(
             seq=head.frame.seq,
-            sampled_tokens=torch.from_numpy(np.ascontiguousarray(rows[:, :L])),
+            sampled_tokens=torch.from_numpy(rows[:, :L].copy()),
             num_sampled=torch.from_numpy(rows[:, L].astype(np.int32)),
             num_rejected=torch.from_numpy(rows[:, L + 1].astype(np.int32)),
             idx_mapping=torch.from_numpy(idx_out),

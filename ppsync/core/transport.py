@@ -85,6 +85,9 @@ def translate(exc: BaseException, *, what: str, timeout_s: float, peer: int | No
 def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost."""
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        if work.is_completed():
+            work.wait()  # returns at once (or raises its error); no timedelta to build
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise translate(e, what=what, timeout_s=timeout_s, peer=peer) from e

@@ -74,9 +74,11 @@ def _child(job: _Job[R], conn: Connection) -> None:
     # Objects inherited by fork belong to the parent; this process's gc must not
     # free them (a parent TCPStore freed here waits on a thread this process lacks).
     gc.freeze()
-    # a stuck rank prints every thread's stack on SIGUSR1 (see _dump_stacks)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        # a stuck rank prints every thread's stack on SIGUSR1 (see _dump_stacks);
+        # to fd 2 itself: sys.stderr may be a capture without a file descriptor
+        with contextlib.suppress(Exception):
+            faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2
         os.environ.update(job.env)
         timeout = datetime.timedelta(seconds=job.timeout_s)
         store = TCPStore("127.0.0.1", job.port, is_master=False, timeout=timeout)
