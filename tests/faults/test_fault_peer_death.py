@@ -1,0 +1,214 @@
+"""A rank killed mid-run (SIGKILL): every survivor ends, bounded, with a
+PeerLost that names the dead rank, and nothing is left running.
+
+P = 3 ranks run the synthetic workload over a token path with a failure
+board (``RankEnv.failure_board``; the parent hosts the store, so it outlives
+the kill). At step ``KILL_AT`` the victim records the time and SIGKILLs
+itself; the survivors' loops would run far longer, so they stop only on the
+error. Each survivor writes what it caught (type, ``peer``, message, when,
+threads) to a file in ``tmp_path``: ``spawn_ranks`` raises RankFailed for the
+victim and drops the survivors' return values, so the files are what the
+parent reads. The victim writes its pid and the kill time first.
+
+Checks, per survivor: the error is PeerLost, ``peer`` is the victim's global
+rank and the message names it, it came within ``timeout_s + 5`` s of the kill,
+and after it the process has exactly the Python threads it had when the world
+was up. Then no rank process is alive and the parent has no child left.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing
+import os
+import re
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import pytest
+import torch.distributed as dist
+from fault_tools import (
+    pid_alive,
+    settled_threads,
+    thread_names,
+    watchdog,
+    write_json,
+)
+
+from ppsync.core.groups import token_group
+from ppsync.core.handler import TokenPath
+from ppsync.core.liveness import FailureBoard
+from ppsync.errors import PPSyncError, RankFailed
+from ppsync.schemas.config import SyncConfig
+from ppsync.services.driver import Backend, StepLoop, outputs, workload_config
+from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.services.runtime import open_rank
+
+PP_SIZE = 3
+TIMEOUT_S = 6.0  # every wait; a survivor must give up within TIMEOUT_S + 5 s of the kill
+KILL_AT = 40  # the victim's step of death: the ring (D = P) is full by then
+STEPS = 100_000  # far more than the survivors can run before the error stops them
+SEED = 11
+CONFIG = SyncConfig.build(
+    pp_size=PP_SIZE, max_num_reqs=16, num_speculative_steps=2, timeout_s=TIMEOUT_S
+)
+
+Mode = Literal["sync"] | Backend
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one rank saw, as written to ``rank<N>.json``."""
+
+    rank: int
+    pid: int
+    error: str  # type name of what the loop raised; "" if it finished (it must not)
+    peer: int | None  # PeerLost.peer
+    message: str
+    at: float  # time.monotonic() of the catch; for the victim, of the kill
+    steps: int  # the step the loop was in
+    threads_before: list[str]  # once the world was up
+    threads_after: list[str]  # after the error, once the token path was closed
+
+
+def _write(out_dir: Path, outcome: Outcome) -> None:
+    write_json(out_dir / f"rank{outcome.rank}.json", asdict(outcome))
+
+
+def _die(out_dir: Path, env: RankEnv, step: int, before: list[str]) -> None:
+    _write(out_dir, Outcome(env.rank, os.getpid(), "killed", None, "", time.monotonic(),
+                            step, before, before))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sync_loop(path: TokenPath, victim: int, out_dir: Path, env: RankEnv,
+               before: list[str], progress: list[int]) -> None:
+    """The engine loop of ``run_sync_rank``."""
+    loop = StepLoop(workload_config(CONFIG, steps=STEPS, seed=SEED), path.is_last, path.rank)
+    for t in range(loop.total_steps):
+        progress[0] = t
+        if env.rank == victim and t == KILL_AT:
+            _die(out_dir, env, t, before)
+        if not path.is_last:
+            loop.released(t, path.consume(loop.table))
+        step = loop.schedule(t, path)
+        if path.is_last:
+            path.publish(step.view, *outputs(step))
+        else:
+            path.post(step.view)
+
+
+async def _async_loop(
+    group: dist.ProcessGroup, board: FailureBoard, victim: int, out_dir: Path, env: RankEnv,
+    before: list[str], progress: list[int],
+) -> None:
+    """The engine loop of ``run_async_rank``."""
+    async with open_rank(CONFIG, group, board=board) as rank:
+        loop = StepLoop(workload_config(CONFIG, steps=STEPS, seed=SEED), rank.is_last,
+                        rank.rank)
+        for t in range(loop.total_steps):
+            progress[0] = t
+            if env.rank == victim and t == KILL_AT:
+                _die(out_dir, env, t, before)
+            if not rank.is_last:
+                loop.released(t, await rank.take(loop.table))
+            step = loop.schedule(t, rank.path)
+            if rank.is_last:
+                await rank.publish(step.view, *outputs(step))
+            else:
+                await rank.post(step.view)
+
+
+def _rank(mode: Mode, victim: int, out_dir: Path, env: RankEnv) -> None:
+    watchdog(TIMEOUT_S + 8)
+    before = thread_names()
+    group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
+    board = env.failure_board(group)
+    error: PPSyncError | None = None
+    progress = [0]  # the step the loop is in
+    try:
+        if mode == "sync":
+            path = TokenPath(CONFIG, group, board=board)
+            try:
+                _sync_loop(path, victim, out_dir, env, before, progress)
+            finally:
+                path.close(drain=False)  # what an engine does on an error
+        else:
+            anyio.run(_async_loop, group, board, victim, out_dir, env, before, progress,
+                      backend=mode)
+    except PPSyncError as e:
+        error = e
+    caught = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+    after = settled_threads(before)
+    _write(out_dir, Outcome(
+        env.rank, os.getpid(), "" if error is None else type(error).__name__,
+        getattr(error, "peer", None), str(error or ""), caught, progress[0], before, after,
+    ))
+
+
+class ThreadsLeftBehind(AssertionError):
+    """A survivor had more Python threads after the error than before."""
+
+
+# Trio keeps each worker thread of ``to_thread.run_sync`` cached for 10 s after
+# use, and the async services name the lost peer in one (see
+# ppsync/services/completion.py: ``path_completed``), so on trio a survivor
+# leaves open_rank with idle "Trio thread N" workers still alive.
+TRIO_THREADS = pytest.mark.xfail(
+    strict=True, raises=ThreadsLeftBehind,
+    reason="ppsync bug: path_completed names the lost peer in anyio.to_thread; trio's "
+    "thread cache keeps that worker alive ~10 s after open_rank has raised",
+)
+
+CASES = [
+    pytest.param("sync", 0, id="sync-kill0"),
+    pytest.param("sync", 1, id="sync-kill1"),
+    pytest.param("sync", 2, id="sync-kill2"),  # the last rank: the sender itself dies
+    pytest.param("asyncio", 0, id="asyncio-kill0"),
+    pytest.param("asyncio", 2, id="asyncio-kill2"),
+    pytest.param("trio", 1, id="trio-kill1", marks=TRIO_THREADS),
+    pytest.param("trio", 2, id="trio-kill2", marks=TRIO_THREADS),
+]
+
+# Observed seconds from the kill to each survivor's error, for the report
+# (``pytest -s`` prints them): ~1 s when a receiver dies (the board's slice),
+# a few ms when the last rank dies (gloo resets the connections at once).
+
+
+@pytest.mark.parametrize(("mode", "victim"), CASES)
+def test_survivors_name_the_killed_rank(mode: Mode, victim: int, tmp_path: Path) -> None:
+    with pytest.raises(RankFailed) as info:
+        spawn_ranks(functools.partial(_rank, mode, victim, tmp_path), PP_SIZE,
+                    timeout_s=TIMEOUT_S)
+    # only the victim failed, and by the signal: every survivor returned normally
+    assert list(info.value.errors) == [victim], info.value.errors
+    assert info.value.errors[victim] == f"rank {victim} died (exit code -{signal.SIGKILL})"
+
+    outcomes = {
+        r: Outcome(**json.loads((tmp_path / f"rank{r}.json").read_text()))
+        for r in range(PP_SIZE)
+    }
+    killed = outcomes[victim]
+    assert killed.error == "killed" and killed.steps == KILL_AT, killed
+    survivors = [o for r, o in outcomes.items() if r != victim]
+    for o in survivors:
+        assert o.error == "PeerLost", o
+        assert o.peer == victim, o
+        # "lost peer rank(s) 2 (global); ...": the message names the victim
+        assert re.search(rf"^lost peer rank\(s\) {victim} \(global\)", o.message), o.message
+        elapsed = o.at - killed.at
+        print(f"{mode} kill {victim}: rank {o.rank} PeerLost {elapsed:.2f} s after the kill")
+        assert 0 <= elapsed <= TIMEOUT_S + 5, (elapsed, o)
+    # no rank process is left, and the parent holds no child
+    for o in outcomes.values():
+        assert not pid_alive(o.pid), o
+    assert multiprocessing.active_children() == []
+    # ppsync left no Python thread behind (gloo's own threads are not Python's)
+    for o in survivors:
+        if o.threads_after != o.threads_before:
+            raise ThreadsLeftBehind(f"rank {o.rank}: {o.threads_before} -> {o.threads_after}")
