@@ -84,7 +84,10 @@ class PPHandler:
             ring_depth=ring_depth,
             timeout_s=timeout_s,
         )
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         self.config = config
         self._path = TokenPath(config, token_group(pp_group, timeout_s=config.timeout_s))
         self._aux = AuxRelay()
@@ -120,7 +123,15 @@ class PPHandler:
             self._check_open("get_prev_sampled_outputs")
             self._flush_held()
             return None
-        released = self._path.consume(draft_tokens_to_update)
+        try:
+            released = self._path.consume(draft_tokens_to_update)
+        except ProtocolError:
+            if self._path.closed:
+                raise
+            raise ProtocolError(
+                "get_prev_sampled_outputs() called twice without receive() between; each "
+                "step is get_prev_sampled_outputs(), then receive()"
+            ) from None
         if released is None:
             return None
         return {k: v.to(self.device) for k, v in released.as_vllm_dict().items()}
@@ -131,7 +142,15 @@ class PPHandler:
         """Post this step's receive. True iff every row needs a sample; False
         when some row does not, or the step has no transfer at all."""
         view = batch_view_of(input_batch)
-        needed = self._path.post(view)
+        try:
+            needed = self._path.post(view)
+        except ProtocolError:
+            if self._path.closed:
+                raise
+            raise ProtocolError(
+                "receive() without get_prev_sampled_outputs() before it; each step is "
+                "get_prev_sampled_outputs(), then receive()"
+            ) from None
         return view.num_reqs > 0 and needed == view.num_reqs
 
     # -- last rank --------------------------------------------------------------

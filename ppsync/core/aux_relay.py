@@ -29,8 +29,8 @@ class AuxRelay:
 
     def configure(self, keys: Sequence[str]) -> None:
         """Relay ``keys`` from now on (an empty sequence turns relaying off)."""
-        if isinstance(keys, str):
-            raise ConfigError(f"keys = {keys!r} must be a sequence of names, not one string")
+        if isinstance(keys, str) or not isinstance(keys, Sequence):
+            raise ConfigError(f"keys = {keys!r} must be a sequence of names (not one string)")
         for k in keys:
             if not isinstance(k, str) or not k:
                 raise ConfigError(f"aux hidden-state key {k!r} must be a non-empty str")

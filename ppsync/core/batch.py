@@ -66,7 +66,12 @@ def unsigned_max(a: np.ndarray) -> int:
     reduction checks both ends of a range [0, hi)."""
     if a.dtype.kind == "u":
         return int(a.max())
-    return int(a.view(np.dtype(f"u{a.dtype.itemsize}")).max())
+    # same width and byte order, unsigned ("<i8" -> "<u8", ">i4" -> ">u4")
+    return int(a.view(a.dtype.str.replace("i", "u")).max())
+
+
+COUNT_LIMIT = 1 << 62
+"""Token counts must stay below this: sums of two counts must not wrap int64."""
 
 
 def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None:
@@ -85,6 +90,8 @@ def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None
 def validate_batch(view: BatchView, max_num_reqs: int) -> None:
     """Check dtypes, shapes and ranges; raise :class:`BatchError` naming the
     first field that breaks a rule. Runs before any collective."""
+    if not isinstance(view, BatchView):
+        raise BatchError(f"view must be a BatchView, got {type(view).__name__}")
     n = view.num_reqs
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise BatchError(f"num_reqs = {n!r} must be an int")
@@ -110,11 +117,14 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
         twice = int(np.argmax(np.bincount(idx, minlength=max_num_reqs)))
         raise BatchError(f"idx_mapping holds request slot index {twice} twice; rows must map "
                          "to distinct request slots")
-    for name, a in (
+    counts = [
         ("num_computed_tokens_np", view.num_computed_tokens_np),
         ("num_scheduled_tokens", view.num_scheduled_tokens_np),
         ("prefill_len_np", view.prefill_len_np),
-    ):
-        if int(a.min()) < 0:
-            row = int(np.argmin(a))
-            raise BatchError(f"{name}[{row}] = {int(a[row])} must be >= 0")
+    ]
+    if view.max_seq_len_np is not None:
+        counts.append(("max_seq_len_np", view.max_seq_len_np))
+    for name, a in counts:
+        if unsigned_max(a) >= COUNT_LIMIT:  # one pass: negative or too large
+            row = int(np.argmax((a < 0) | (a >= COUNT_LIMIT)))
+            raise BatchError(f"{name}[{row}] = {int(a[row])} outside [0, 2**62)")

@@ -73,6 +73,7 @@ class FrameCodec:
         self._payload_w = _weights(self.max_num_reqs * self.row_width, salt=1)
         self._header_w = _weights(HEADER_WORDS, salt=1 << 40)
         self._idx_w = _weights(self.max_num_reqs, salt=1 << 50)
+        self._computed_w = _weights(self.max_num_reqs, salt=1 << 55)
         self._free: list[torch.Tensor] = []  # recycled fixed-size frame buffers
 
     def words(self, num_reqs: int) -> int:
@@ -95,10 +96,19 @@ class FrameCodec:
         if not self.exact and len(self._free) < 8:
             self._free.append(buf)
 
-    def idx_digest(self, idx_mapping_np: np.ndarray) -> int:
-        """Digest of a step's idx_mapping; equal views give equal digests."""
+    def idx_digest(
+        self, idx_mapping_np: np.ndarray, num_computed_tokens_np: np.ndarray | None = None
+    ) -> int:
+        """Digest of a step's idx_mapping and, when given, num_computed_tokens;
+        equal views give equal digests. The computed counts advance every step,
+        so a rank one step behind differs even when the request slots do not."""
         n = idx_mapping_np.shape[0]
-        return int(np.dot(idx_mapping_np.astype(np.int64, copy=False) + 1, self._idx_w[:n]))
+        with np.errstate(over="ignore"):  # int64 wraps by design
+            digest = np.dot(idx_mapping_np.astype(np.int64, copy=False) + 1, self._idx_w[:n])
+            if num_computed_tokens_np is not None:
+                digest += np.dot(num_computed_tokens_np.astype(np.int64, copy=False),
+                                 self._computed_w[:n])
+        return int(digest)
 
     def rows(self, buf_np: np.ndarray, num_reqs: int) -> np.ndarray:
         """[num_reqs, W] view of the used rows."""

@@ -204,9 +204,11 @@ class TokenPath:
             except PeerLost as e:
                 raise self.failed(e) from e
 
-    def failed(self, err: PPSyncError) -> PPSyncError:
+    def failed(self, err: PPSyncError, *, settle: bool = True) -> PPSyncError:
         """Post ``err`` on the board and return it naming the lost peers (the
-        ranks that never posted), when there is a board."""
+        ranks that never posted), when there is a board. ``settle``: first wait
+        (up to the board's grace) for the survivors to post; an event loop
+        passes False after waiting in its own way."""
         if self.board is None:
             return err
         if isinstance(err, DesyncError):
@@ -219,7 +221,7 @@ class TokenPath:
                     f"rank {self.rank}: rank {notice['rank']} reported: {notice['message']}",
                     expected=notice["expected"], received=notice["received"],
                 )
-        lost = self.board.lost()
+        lost = self.board.lost() if settle else self.board.missing()
         if not lost:
             return err
         names = ", ".join(str(r) for r in lost)
@@ -260,6 +262,14 @@ class TokenPath:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
         Returns the rows needing a sample; 0 means the step had no transfer."""
         self._check_role("broadcast", last=True)
+        if not isinstance(step, PreparedStep):
+            raise BatchError(f"step must be a PreparedStep from prepare(), got "
+                             f"{type(step).__name__}")
+        if drafts_np is not None and (
+            not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
+        ):
+            raise BatchError(f"drafts must be an integer numpy array, got "
+                             f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
         if drafts_np is not None and drafts_np.shape != (step.view.num_reqs,
                                                          self.config.num_speculative_steps):
             raise BatchError(
@@ -272,7 +282,9 @@ class TokenPath:
             return 0
         self._prune()
         codec = self.codec
-        frame = FrameView(self.seq, step.view.num_reqs, codec.idx_digest(step.view.idx_mapping_np))
+        v = step.view
+        frame = FrameView(self.seq, v.num_reqs,
+                          codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np))
         buf = codec.new_buffer(frame.num_reqs)
         codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
                    step.num_rejected_np, drafts_np)
@@ -314,7 +326,8 @@ class TokenPath:
         if needed == 0:
             return 0
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
-        frame = FrameView(self.seq, view.num_reqs, self.codec.idx_digest(idx_np))
+        frame = FrameView(self.seq, view.num_reqs,
+                          self.codec.idx_digest(idx_np, view.num_computed_tokens_np))
         buf = self.codec.new_buffer(frame.num_reqs)
         work = self._issue(buf)
         self.ring.fill_tail(

@@ -84,13 +84,18 @@ class FailureBoard:
         except Exception:
             return []
 
+    def missing(self) -> list[int]:
+        """The other ranks that have not posted (yet)."""
+        seen = set(self.posted())
+        return [r for r in self.ranks if r not in seen and r != self.me]
+
     def lost(self) -> list[int]:
         """The ranks that have not posted once every survivor had the chance:
-        waits until all but one posted, at most ``grace_s``."""
+        waits until all but one posted, at most ``grace_s``. (An event loop
+        waits with its own sleep, then calls :meth:`missing`.)"""
         deadline = time.monotonic() + self.grace_s
         while True:
-            seen = set(self.posted())
-            missing = [r for r in self.ranks if r not in seen and r != self.me]
+            missing = self.missing()
             if len(missing) <= 1 or time.monotonic() >= deadline:
                 return missing
             time.sleep(0.05)

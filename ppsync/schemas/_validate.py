@@ -20,14 +20,23 @@ def describe(err: ValidationError) -> str:
     """One line per broken rule: ``field = value: rule``."""
     parts = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<record>"
+        field = ".".join(str(p) for p in e["loc"])
         if e["type"] == "missing":
             parts.append(f"{field}: required, not given")
-        elif field == "<record>":
+        elif not e["loc"]:  # a rule across fields: its message names them
             parts.append(e["msg"].removeprefix("Value error, "))
         else:
-            parts.append(f"{field} = {e.get('input')!r}: {e['msg']}")
+            parts.append(f"{field} = {_short_repr(e.get('input'))}: {e['msg']}")
     return "; ".join(parts)
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    """repr that never raises (an int of >4300 digits does) and stays short."""
+    try:
+        text = repr(value)
+    except ValueError:
+        text = f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def validate_as(model: type[M], data: Mapping[str, object], error: type[PPSyncError]) -> M:

@@ -37,7 +37,7 @@ class SyncConfig(BaseModel):
     """Request slots; idx_mapping values lie in [0, max_num_reqs)."""
     num_speculative_steps: int = Field(default=0, ge=0, le=64)
     """K: draft tokens per request per step; the sample width is L = K + 1."""
-    ring_depth: int | None = Field(default=None, ge=1)
+    ring_depth: int | None = Field(default=None, ge=1, le=1024)
     """D: steps between posting a receive and consuming it (None = pp_size)."""
     timeout_s: float = Field(default=60.0, gt=0, le=86400)
     """Bound on every wait: a transfer, a consumer wait, the group's collectives."""

@@ -47,7 +47,8 @@ class _Micro:
         need_sampled_mask(view)
         drafts_np = None if s.drafts is None else check_step_drafts(
             s.drafts, num_reqs=view.num_reqs, num_drafts=c.num_speculative_steps)
-        frame = FrameView(seq, view.num_reqs, codec.idx_digest(view.idx_mapping_np))
+        frame = FrameView(seq, view.num_reqs,
+                          codec.idx_digest(view.idx_mapping_np, view.num_computed_tokens_np))
         buf = codec.new_buffer(view.num_reqs)
         codec.pack(buf.numpy(), frame, tokens_np, ns_np, nr_np, drafts_np)
         return buf
@@ -57,7 +58,8 @@ class _Micro:
         validate_batch(view, c.max_num_reqs)
         need = need_sampled_mask(view)
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
-        frame = FrameView(seq, view.num_reqs, codec.idx_digest(idx_np))
+        frame = FrameView(seq, view.num_reqs,
+                          codec.idx_digest(idx_np, view.num_computed_tokens_np))
         codec.new_buffer(view.num_reqs)  # the buffer a receive would fill
         gen_np = self.generations.snapshot(idx_np)
         # ... the transfer fills the buffer; ``sent`` stands in for it ...

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import torch.distributed as dist
 
 from ppsync.core.handler import TokenPath
@@ -89,10 +88,15 @@ async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
             peer=None if path.is_last else path.src, board=path.board,
         )
     except PPSyncError as e:
-        if path.board is None:
+        board = path.board
+        if board is None:
             raise
-        # naming waits up to the board's grace for the survivors: off the loop
-        named = await anyio.to_thread.run_sync(path.failed, e)
+        path.failed(e, settle=False)  # post first, so the others can settle too
+        # give the survivors the board's grace to post: a bounded wait, failure path only
+        deadline = anyio.current_time() + board.grace_s
+        while len(board.missing()) > 1 and anyio.current_time() < deadline:  # noqa: ASYNC110 (a store, not an event)
+            await anyio.sleep(0.05)
+        named = path.failed(e, settle=False)
         if named is e:
             raise
         raise named from e
