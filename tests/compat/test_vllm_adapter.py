@@ -317,7 +317,7 @@ def errors_rank(env: RankEnv) -> list[int]:
         got = draft_table(K)
         assert h.get_prev_sampled_outputs(got) is None
         assert h.receive(batch) is True
-        with pytest.raises(ProtocolError, match="consume"):
+        with pytest.raises(ProtocolError, match=r"receive\(\) without get_prev_sampled_outputs\(\)"):
             h.receive(batch)
         assert h.get_prev_sampled_outputs(got) is None
         assert h.receive(simple_batch([])) is False

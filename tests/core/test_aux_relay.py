@@ -134,7 +134,7 @@ def test_configure_accepts_any_sequence_and_empty_turns_off() -> None:
 def test_configure_rejects_a_single_string() -> None:
     relay = AuxRelay()
     with pytest.raises(
-        ConfigError, match=r"keys = 'aux_0' must be a sequence of names, not one string"
+        ConfigError, match=r"keys = 'aux_0' must be a sequence of names \(not one string\)"
     ):
         relay.configure("aux_0")
     assert relay.keys == ()
