@@ -317,7 +317,8 @@ def errors_rank(env: RankEnv) -> list[int]:
         got = draft_table(K)
         assert h.get_prev_sampled_outputs(got) is None
         assert h.receive(batch) is True
-        with pytest.raises(ProtocolError, match=r"receive\(\) without get_prev_sampled_outputs\(\)"):
+        order = r"receive\(\) without get_prev_sampled_outputs\(\)"
+        with pytest.raises(ProtocolError, match=order):
             h.receive(batch)
         assert h.get_prev_sampled_outputs(got) is None
         assert h.receive(simple_batch([])) is False
