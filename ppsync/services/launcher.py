@@ -102,6 +102,33 @@ def _child(job: _Job[R], conn: Connection) -> None:
         os._exit(code)
 
 
+def _store_host(timeout_s: float, conn: Connection) -> None:
+    """Body of the store process: serve until killed."""
+    try:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+        conn.send(store.port)
+        conn.close()
+        while True:
+            time.sleep(3600)
+    finally:
+        os._exit(0)
+
+
+def _start_store_host(ctx: Any, timeout_s: float) -> tuple[mp.process.BaseProcess, int]:
+    """Start the run's store in a process of its own; return it and its port."""
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    host = ctx.Process(target=_store_host, args=(timeout_s, child_end), daemon=True)
+    host.start()
+    child_end.close()
+    if not parent_end.poll(timeout_s):
+        host.kill()
+        raise SyncTimeout(f"the store process did not start within {timeout_s} s")
+    port: int = parent_end.recv()
+    parent_end.close()
+    return host, port
+
+
 def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
     """Ask stuck ranks to print their threads' stacks (to their stderr)
     before they are killed, so a hang leaves a trace."""
@@ -131,10 +158,10 @@ def spawn_ranks(
     collectives' own timeout) plus a grace period; every child is gone when
     this returns or raises."""
     ctx: Any = mp.get_context(start_method)  # "fork" or "spawn"; typeshed lacks .Process
-    # The parent hosts the store: it outlives any rank that dies.
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    port = store.port
+    # A process of its own hosts the store: it outlives any rank that dies, and
+    # the parent keeps no server thread (forking while a thread holds a lock
+    # can hang the child, as a rank stuck in its TCPStore connect once showed).
+    host, port = _start_store_host(ctx, timeout_s)
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
     results: dict[int, R] = {}
@@ -189,4 +216,5 @@ def spawn_ranks(
                 p.join(timeout=5.0)
         for c in conns:
             c.close()
-        del store  # a traceback holding this frame must not keep the server alive
+        host.kill()
+        host.join(timeout=5.0)
