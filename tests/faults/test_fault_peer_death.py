@@ -155,24 +155,14 @@ class ThreadsLeftBehind(AssertionError):
     """A survivor had more Python threads after the error than before."""
 
 
-# Trio keeps each worker thread of ``to_thread.run_sync`` cached for 10 s after
-# use, and the async services name the lost peer in one (see
-# ppsync/services/completion.py: ``path_completed``), so on trio a survivor
-# leaves open_rank with idle "Trio thread N" workers still alive.
-TRIO_THREADS = pytest.mark.xfail(
-    strict=True, raises=ThreadsLeftBehind,
-    reason="ppsync bug: path_completed names the lost peer in anyio.to_thread; trio's "
-    "thread cache keeps that worker alive ~10 s after open_rank has raised",
-)
-
 CASES = [
     pytest.param("sync", 0, id="sync-kill0"),
     pytest.param("sync", 1, id="sync-kill1"),
     pytest.param("sync", 2, id="sync-kill2"),  # the last rank: the sender itself dies
     pytest.param("asyncio", 0, id="asyncio-kill0"),
     pytest.param("asyncio", 2, id="asyncio-kill2"),
-    pytest.param("trio", 1, id="trio-kill1", marks=TRIO_THREADS),
-    pytest.param("trio", 2, id="trio-kill2", marks=TRIO_THREADS),
+    pytest.param("trio", 1, id="trio-kill1"),
+    pytest.param("trio", 2, id="trio-kill2"),
 ]
 
 # Observed seconds from the kill to each survivor's error, for the report
