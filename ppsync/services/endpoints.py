@@ -36,7 +36,7 @@ class _Service:
                 f"group rank {path.rank} of pp_size {path.config.pp_size} is not"
             )
         self.path = path
-        self.watcher = Watcher(path, capacity=path.config.depth + 1)
+        self.watcher = Watcher(path)
         self.last_record: StepRecord | None = None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -1,16 +1,17 @@
-"""A task that watches issued transfers complete, oldest first.
+"""Watching issued transfers complete, oldest first.
 
 Both services hand every transfer they issue to a watcher. It keeps the frame
 buffer referenced until the transfer completes, and turns a failed or silent
-transfer into PeerLost / SyncTimeout in the rank's task group, so a dead peer
-reaches the engine even while the engine is not calling ppsync.
+transfer into PeerLost / SyncTimeout, so a dead peer reaches the engine even
+while the engine is not calling ppsync.
 
-It costs no loop wake-up while the engine is busy: gloo completes one group's
-work in issue order, and in a pipelined engine a transfer has usually
-completed by the time the next one is issued, so the watcher simply checks
-``is_completed()`` whenever a new transfer arrives. Only when no new transfer
-comes for ``idle_s`` (an idle engine) does it await the oldest one by
-notification.
+It costs no task switch and no loop wake-up while the engine is busy: gloo
+completes one group's work in issue order, and in a pipelined engine a
+transfer has usually completed by the time the next one is issued, so each
+:meth:`Watcher.watch` settles the completed ones in the caller's task (a
+failed one raises there). The watcher's own task sleeps until something is
+pending, then looks once per ``idle_s``: only when no new transfer came in
+that time (an idle engine) does it await the oldest one by notification.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import anyio
 import torch
 import torch.distributed as dist
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ppsync.core.handler import TokenPath
 from ppsync.services.completion import path_completed
@@ -38,52 +38,49 @@ class Issued:
 
 
 class Watcher:
-    """Owns a stream of issued transfers and the task that watches them."""
+    """Transfers issued and not yet seen complete, and the task watching them."""
 
-    def __init__(self, path: TokenPath, *, capacity: int, idle_s: float = 0.1) -> None:
-        send, recv = anyio.create_memory_object_stream[Issued](capacity)
-        self._send: MemoryObjectSendStream[Issued] = send
-        self._recv: MemoryObjectReceiveStream[Issued] = recv
+    def __init__(self, path: TokenPath, *, idle_s: float = 0.1) -> None:
         self.path = path
         self.idle_s = idle_s
         self.completed = 0
+        self._pending: deque[Issued] = deque()
+        self._issued = 0  # transfers handed to watch() so far
+        self._wake = anyio.Event()  # something became pending, or close()
+        self._closed = False
 
     async def watch(self, item: Issued) -> None:
-        """Queue ``item``. If cancelled while waiting, the transfer itself is
-        unaffected (it was issued before); only its watching is skipped."""
-        await self._send.send(item)
+        """Add ``item`` and settle the completed ones in front (a failed
+        transfer raises here). Never waits for an incomplete transfer."""
+        self._pending.append(item)
+        self._issued += 1
+        while self._pending and self._pending[0].work.is_completed():
+            await self._done(self._pending.popleft())
+        if self._pending and not self._wake.is_set():
+            self._wake.set()
 
     def close(self) -> None:
-        """No more items: the run task ends once the queued ones completed."""
-        self._send.close()
+        """No more items: :meth:`run` drains the pending ones, then returns."""
+        self._closed = True
+        self._wake.set()
 
     async def _done(self, item: Issued) -> None:
-        """Returns at once for a completed transfer, or raises its error."""
+        """Returns at once for a completed transfer, or raises its error;
+        awaits an incomplete one by notification."""
         await path_completed(self.path, item.work, f"transfer of frame {item.seq}")
         self.completed += 1
 
-    async def _settle(self, pending: deque[Issued]) -> None:
-        """Drop completed transfers from the front, raising a failed one's error."""
-        while pending and pending[0].work.is_completed():
-            await self._done(pending.popleft())
-
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Watch queued transfers until :meth:`close`, then drain them."""
-        pending: deque[Issued] = deque()
-        async with self._recv:
-            task_status.started()
-            while True:
-                await self._settle(pending)
-                try:
-                    if not pending:
-                        pending.append(await self._recv.receive())
-                        continue
-                    with anyio.move_on_after(self.idle_s):
-                        pending.append(await self._recv.receive())
-                        continue
-                except anyio.EndOfStream:
-                    break
-                # idle engine: await the oldest transfer by notification
-                await self._done(pending.popleft())
-        for item in pending:  # closed: drain what was issued
-            await self._done(item)
+        """Watch until :meth:`close`, then drain what was issued."""
+        task_status.started()
+        while not self._closed:
+            if not self._pending:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                continue
+            front, issued = self._pending[0], self._issued
+            await anyio.sleep(self.idle_s)
+            if self._pending and self._pending[0] is front and self._issued == issued:
+                await self._done(self._pending.popleft())  # idle engine: by notification
+        while self._pending:
+            await self._done(self._pending.popleft())
