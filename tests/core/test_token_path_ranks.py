@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import decode_view
 
-from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.errors import DesyncError
@@ -180,15 +180,6 @@ MAX_NUM_REQS = 8
 DIVERGENT = 0  # the receiver whose scheduler disagrees with the others
 
 
-def _view(idx: list[int]) -> BatchView:
-    n = len(idx)
-    return BatchView(
-        num_reqs=n,
-        idx_mapping_np=np.array(idx, dtype=np.int64),
-        num_computed_tokens_np=np.full(n, 10, dtype=np.int64),
-        num_scheduled_tokens_np=np.ones(n, dtype=np.int64),
-        prefill_len_np=np.full(n, 5, dtype=np.int64),
-    )
 
 
 def _tokens(step: int, n: int) -> torch.Tensor:
@@ -222,7 +213,7 @@ def _desync_rank(config: SyncConfig, env: RankEnv) -> list[Seen]:
         for step, (idx, _) in enumerate(PLAN):
             n = len(idx)
             sent = path.publish(
-                _view(idx), _tokens(step, n),
+                decode_view(idx), _tokens(step, n),
                 torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
             )
             out.append(Seen("sent", (sent,)))
@@ -246,7 +237,7 @@ def _desync_rank(config: SyncConfig, env: RankEnv) -> list[Seen]:
                 ))
         if step < len(PLAN):
             agreed, mine = PLAN[step]
-            path.post(_view(mine if env.rank == DIVERGENT else agreed))
+            path.post(decode_view(mine if env.rank == DIVERGENT else agreed))
     path.close()
     out.append(Seen("closed"))
     return out

@@ -39,6 +39,7 @@ from fault_tools import (
     watchdog,
     write_json,
 )
+from helpers import engine_step
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
@@ -115,13 +116,7 @@ async def _async_loop(
             progress[0] = t
             if env.rank == victim and t == KILL_AT:
                 _die(out_dir, env, t, before)
-            if not rank.is_last:
-                loop.released(t, await rank.take(loop.table))
-            step = loop.schedule(t, rank.path)
-            if rank.is_last:
-                await rank.publish(step.view, *outputs(step))
-            else:
-                await rank.post(step.view)
+            await engine_step(rank, loop, t)
 
 
 def _rank(mode: Mode, victim: int, out_dir: Path, env: RankEnv) -> None:

@@ -22,15 +22,14 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import decode_view, engine_step
 
-from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.driver import Backend, StepLoop, outputs, workload_config
+from ppsync.services.driver import Backend, StepLoop, workload_config
 from ppsync.services.launcher import RankEnv, spawn_ranks
 from ppsync.services.runtime import open_rank
 
@@ -85,13 +84,7 @@ async def _engine(
                 if t == stop.after_steps:
                     by, cancelled_at = "steps", anyio.current_time()
                     tg.cancel_scope.cancel()
-                if not rank.is_last:
-                    loop.released(t, await rank.take(loop.table))
-                step = loop.schedule(t, rank.path)
-                if rank.is_last:
-                    await rank.publish(step.view, *outputs(step))
-                else:
-                    await rank.post(step.view)
+                await engine_step(rank, loop, t)
                 steps += 1
     left = anyio.current_time()
     threads_left = _threads()
@@ -188,13 +181,7 @@ async def _failing_body(config: SyncConfig, group: dist.ProcessGroup) -> None:
         for t in range(MAX_STEPS):
             if t == FAIL_AT:
                 raise ValueError(f"engine failed at step {t} on rank {rank.rank}")
-            if not rank.is_last:
-                loop.released(t, await rank.take(loop.table))
-            step = loop.schedule(t, rank.path)
-            if rank.is_last:
-                await rank.publish(step.view, *outputs(step))
-            else:
-                await rank.post(step.view)
+            await engine_step(rank, loop, t)
 
 
 def _failing_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> tuple[str, str]:
@@ -226,15 +213,6 @@ IDX = [3, 1]
 LATE_S = 0.6
 
 
-def _view(idx: list[int]) -> BatchView:
-    n = len(idx)
-    return BatchView(
-        num_reqs=n,
-        idx_mapping_np=np.array(idx, dtype=np.int64),
-        num_computed_tokens_np=np.full(n, 10, dtype=np.int64),
-        num_scheduled_tokens_np=np.ones(n, dtype=np.int64),
-        prefill_len_np=np.full(n, 5, dtype=np.int64),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,12 +229,12 @@ async def _retake(config: SyncConfig, group: dist.ProcessGroup) -> Retake | None
         if rank.is_last:
             await anyio.sleep(LATE_S)
             await rank.publish(
-                _view(IDX), torch.tensor([[41], [42]], dtype=torch.int64),
+                decode_view(IDX), torch.tensor([[41], [42]], dtype=torch.int64),
                 torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
             )
             return None
         assert await rank.take() is None  # the ring starts empty (D = 1)
-        await rank.post(_view(IDX))
+        await rank.post(decode_view(IDX))
         first, t0 = "cancelled", time.perf_counter()
         with anyio.move_on_after(0.1):
             await rank.take()  # the frame is LATE_S away
@@ -299,7 +277,7 @@ async def _idle_loop(config: SyncConfig, group: dist.ProcessGroup) -> tuple[int,
     """Run empty steps (no transfer) through ppsync only; cancel at CANCEL_AT.
     Returns (steps begun after the cancel, sibling beats during the loop)."""
     after_cancel, beats = 0, 0
-    empty = _view([])
+    empty = decode_view([])
     none_sampled = (torch.zeros((0, 1), dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
                     torch.zeros(0, dtype=torch.int32))
 

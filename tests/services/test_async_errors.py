@@ -22,12 +22,11 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import anyio
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import decode_view
 
-from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.driver import Backend
@@ -44,16 +43,6 @@ def _group(config: SyncConfig) -> dist.ProcessGroup:
     return token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
 
 
-def _view(idx: list[int]) -> BatchView:
-    """Decode rows that all need a sample."""
-    n = len(idx)
-    return BatchView(
-        num_reqs=n,
-        idx_mapping_np=np.array(idx, dtype=np.int64),
-        num_computed_tokens_np=np.full(n, 10, dtype=np.int64),
-        num_scheduled_tokens_np=np.ones(n, dtype=np.int64),
-        prefill_len_np=np.full(n, 5, dtype=np.int64),
-    )
 
 
 Outcome = tuple[str, str]  # (exception type name, message), or ("ok", what it returned)
@@ -82,24 +71,24 @@ def _publish_args(n: int, *, num_sampled: int = 1) -> tuple[torch.Tensor, ...]:
 async def _last_rank_calls(rank: Rank) -> list[tuple[str, Outcome]]:
     n = len(IDX)
     return [
-        await _outcome("post", rank.post(_view(IDX))),
+        await _outcome("post", rank.post(decode_view(IDX))),
         await _outcome("take", rank.take()),
         await _outcome("publish idx out of range",
-                       rank.publish(_view([IDX[0], MAX_NUM_REQS + 3]), *_publish_args(n))),
+                       rank.publish(decode_view([IDX[0], MAX_NUM_REQS + 3]), *_publish_args(n))),
         await _outcome("publish num_sampled > w",
-                       rank.publish(_view(IDX), *_publish_args(n, num_sampled=2))),
-        await _outcome("publish", rank.publish(_view(IDX), *_publish_args(n))),
+                       rank.publish(decode_view(IDX), *_publish_args(n, num_sampled=2))),
+        await _outcome("publish", rank.publish(decode_view(IDX), *_publish_args(n))),
     ]
 
 
 async def _receiver_calls(rank: Rank) -> list[tuple[str, Outcome]]:
     n = len(IDX)
     out = [
-        await _outcome("publish", rank.publish(_view(IDX), *_publish_args(n))),
+        await _outcome("publish", rank.publish(decode_view(IDX), *_publish_args(n))),
         await _outcome("take bad draft table", rank.take(torch.zeros(3, 2, dtype=torch.int64))),
         await _outcome("take", rank.take()),  # the ring starts with an empty slot
-        await _outcome("post idx out of range", rank.post(_view([IDX[0], MAX_NUM_REQS + 3]))),
-        await _outcome("post", rank.post(_view(IDX))),
+        await _outcome("post idx out of range", rank.post(decode_view([IDX[0], MAX_NUM_REQS + 3]))),
+        await _outcome("post", rank.post(decode_view(IDX))),
     ]
     released = await rank.take()
     assert released is not None
@@ -183,7 +172,7 @@ async def _waiting_receiver(
     try:
         async with open_rank(config, group) as rank:
             assert await rank.take() is None
-            await rank.post(_view(IDX))
+            await rank.post(decode_view(IDX))
             posted = time.perf_counter()
             await rank.take()
     except Exception as e:

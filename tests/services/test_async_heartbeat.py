@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass
 
 import anyio
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import decode_view
 
-from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.driver import Backend
@@ -33,16 +32,6 @@ IDX = [2, 0, 5]  # request slots of every step's rows
 
 
 
-def _view(idx: list[int]) -> BatchView:
-    """Decode rows that all need a sample."""
-    n = len(idx)
-    return BatchView(
-        num_reqs=n,
-        idx_mapping_np=np.array(idx, dtype=np.int64),
-        num_computed_tokens_np=np.full(n, 10, dtype=np.int64),
-        num_scheduled_tokens_np=np.ones(n, dtype=np.int64),
-        prefill_len_np=np.full(n, 5, dtype=np.int64),
-    )
 
 
 def _tokens(step: int, n: int) -> list[int]:
@@ -67,7 +56,7 @@ async def _last(config: SyncConfig, group: dist.ProcessGroup) -> list[Take]:
             if t == LATE:
                 await anyio.sleep(LATE_S)
             await rank.publish(
-                _view(IDX), torch.tensor(_tokens(t, n), dtype=torch.int64).reshape(n, 1),
+                decode_view(IDX), torch.tensor(_tokens(t, n), dtype=torch.int64).reshape(n, 1),
                 torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
             )
     return []
@@ -98,7 +87,7 @@ async def _receiver(config: SyncConfig, group: dist.ProcessGroup) -> list[Take]:
                     tuple(int(x) for x in released.idx_mapping),
                 ))
             # after the last step, empty batches drain the ring (no transfer)
-            await rank.post(_view(IDX if t < STEPS else []))
+            await rank.post(decode_view(IDX if t < STEPS else []))
         tg.cancel_scope.cancel()
     return takes
 
