@@ -39,6 +39,7 @@ tokens without an error (``skipped-same-slots``, an expected failure).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import re
@@ -153,6 +154,10 @@ def _run(path: TokenPath, case: str, rank: int) -> tuple[int, int]:
 
 def _rank(case: str, out_dir: Path, env: RankEnv) -> Outcome:
     watchdog(TIMEOUT_S + 8)
+    if case == "exact-smaller" and env.rank == DIV:
+        # gloo aborts this rank on purpose: no fatal-error trace in the test output
+        # (the watchdog's timer dump is separate from the fatal-signal handler)
+        faulthandler.disable()
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     wire: WireMode = "exact" if case.startswith("exact") else "fixed"
     spec = K + 1 if case == "spec" and env.rank == DIV else K
