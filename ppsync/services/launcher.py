@@ -14,7 +14,6 @@ import gc
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,14 +28,6 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.errors import RankFailed, SyncTimeout
 
 R = TypeVar("R")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True, slots=True)
