@@ -12,6 +12,10 @@ Per engine step, on every rank and in this order:
 Every input is checked before any collective is issued, so a bad call on one
 rank raises there and leaves the group usable. Every wait is bounded by
 ``config.timeout_s``.
+
+This file holds only what needs the path's state (ring, in-flight works,
+sequence numbers, the failure board); each rule it applies lives in its own
+module (mask, ring, generations, frame, checks, transport, liveness).
 """
 
 from __future__ import annotations
