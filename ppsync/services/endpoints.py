@@ -89,7 +89,8 @@ class BroadcastService(_Service):
 
         Bad input raises before anything is issued. Cancelled before the
         issue: nothing was sent and the step can be published again.
-        Cancelled after it: the frame goes out; only its watching is lost."""
+        After the issue nothing awaits an incomplete transfer, so the call
+        completes."""
         await anyio.lowlevel.checkpoint()  # a step without a wait still yields
         step, drafts_np = self.path.prepare(
             view, sampled_token_ids, num_sampled, num_rejected, draft_tokens
@@ -112,7 +113,8 @@ class ReceiveService(_Service):
     async def post(self, view: BatchView) -> int:
         """Post this step's receive; return once it is issued. Returns the
         rows needing a sample (0: no transfer this step). Bad input raises
-        before anything is issued."""
+        before anything is issued. Cancellation can only land at the call's
+        first checkpoint, before anything changed: the step may be posted again."""
         await anyio.lowlevel.checkpoint()  # a step without a transfer still yields
         needed = self.path.post(view)
         self._record(view, needed, False)
