@@ -4,11 +4,12 @@ When a rank dies, gloo tells only the ranks directly connected to it (within
 ~10 ms), and their messages name an address, not a rank; the other ranks just
 see silence until their timeout. So every rank that sees a transfer fail
 *posts* on the board, and every rank that waits checks the board once per
-``slice_s``: a failure anywhere reaches every survivor within about a second,
+``slice_s`` (0.25 s): a failure anywhere reaches every survivor within about
+that slice (a wait that long is already abnormal; healthy waits take ms),
 and the ranks that never posted, after a short grace, are the lost ones.
 
-The store must outlive any rank: the local launcher hosts it in the parent
-process; under torchrun the agent's store does. Without a board, errors still
+The store must outlive any rank: the local launcher hosts it in a process of
+its own; under torchrun the agent's store does. Without a board, errors still
 come typed and bounded, but cannot name the lost peer.
 """
 
@@ -32,7 +33,7 @@ class FailureBoard:
         ranks: Sequence[int],
         me: int,
         grace_s: float = 2.0,
-        slice_s: float = 1.0,
+        slice_s: float = 0.25,
         namespace: str = "ppsync",
     ) -> None:
         self.store = store
