@@ -74,6 +74,14 @@ COUNT_LIMIT = 1 << 62
 """Token counts must stay below this: sums of two counts must not wrap int64."""
 
 
+def _count_limit(dtype: np.dtype) -> int:
+    """The unsigned reading at which a count of ``dtype`` is out of range:
+    2**62, or the sign bit of a narrower signed type."""
+    if dtype.kind == "u":
+        return COUNT_LIMIT
+    return min(COUNT_LIMIT, 1 << (8 * dtype.itemsize - 1))
+
+
 def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None:
     if not isinstance(a, np.ndarray):
         raise BatchError(f"{name} must be a numpy array, got {type(a).__name__}")
@@ -124,7 +132,17 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
     ]
     if view.max_seq_len_np is not None:
         counts.append(("max_seq_len_np", view.max_seq_len_np))
-    for name, a in counts:
-        if unsigned_max(a) >= COUNT_LIMIT:  # one pass: negative or too large
-            row = int(np.argmax((a < 0) | (a >= COUNT_LIMIT)))
-            raise BatchError(f"{name}[{row}] = {int(a[row])} outside [0, 2**62)")
+    arrays = [a for _, a in counts]
+    if len({a.dtype for a in arrays}) == 1:
+        # One pass for all: OR-ing keeps any sign bit and any bit >= 62, so the
+        # OR read as unsigned reaches the limit iff some count is out of range.
+        merged = np.bitwise_or.reduce(arrays)
+        suspect = unsigned_max(merged) >= _count_limit(merged.dtype)
+    else:  # mixed dtypes do not OR safely (int64 | uint64 has no common type)
+        suspect = any(unsigned_max(a) >= _count_limit(a.dtype) for a in arrays)
+    if suspect:
+        for name, a in counts:
+            bad = (a < 0) | (a >= COUNT_LIMIT)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise BatchError(f"{name}[{row}] = {int(a[row])} outside [0, 2**62)")

@@ -17,13 +17,16 @@ def need_sampled_mask(view: BatchView) -> np.ndarray:
     Decode rows are never dropped for the cap; dropping them would freeze the
     earlier stages' view of the request.
     """
-    computed = view.num_computed_tokens_np
-    prefill = view.prefill_len_np
-    need: np.ndarray = (computed + view.num_scheduled_tokens_np) >= prefill
+    # int64 arithmetic: narrow or mixed integer dtypes must neither wrap
+    # (int8 100 + 100) nor promote to float (uint64 + int64)
+    computed = view.num_computed_tokens_np.astype(np.int64, copy=False)
+    prefill = view.prefill_len_np.astype(np.int64, copy=False)
+    scheduled = view.num_scheduled_tokens_np.astype(np.int64, copy=False)
+    need: np.ndarray = (computed + scheduled) >= prefill
     if view.max_seq_len_np is not None:
         in_prefill = view.is_prefilling_np if view.is_prefilling_np is not None else (
             computed < prefill
         )
-        capped = in_prefill & (prefill + 1 >= view.max_seq_len_np)
+        capped = in_prefill & (prefill + 1 >= view.max_seq_len_np.astype(np.int64, copy=False))
         need &= ~capped
     return need

@@ -276,3 +276,19 @@ def test_batch_view_of_names_every_missing_attribute() -> None:
         r"num_computed_tokens_np, prefill_len_np, num_scheduled_tokens",
     ):
         batch_view_of(object())
+
+
+def test_mixed_and_narrow_count_dtypes_are_checked_exactly() -> None:
+    n = 3
+    ok = BatchView(n, np.arange(n), np.ones(n, np.uint64), np.ones(n, np.int64),
+                   np.ones(n, np.int32))
+    validate_batch(ok, 8)  # int64 | uint64 has no common type: checked one by one
+    validate_batch(BatchView(n, np.arange(n), *(np.full(n, 200, np.uint8),) * 3), 8)
+    bad = BatchView(n, np.arange(n), np.ones(n, np.uint64), np.ones(n, np.int64),
+                    np.array([1, -1, 1], np.int32))
+    with pytest.raises(BatchError, match=r"prefill_len_np\[1\] = -1 outside"):
+        validate_batch(bad, 8)
+    narrow = BatchView(n, np.arange(n), np.ones(n, np.int8), np.array([1, -3, 1], np.int8),
+                       np.ones(n, np.int8))
+    with pytest.raises(BatchError, match=r"num_scheduled_tokens\[1\] = -3 outside"):
+        validate_batch(narrow, 8)

@@ -137,3 +137,10 @@ def test_mask_matches_rule_on_random_batches() -> None:
             for c, s, p, m in zip(computed, scheduled, prefill, cap, strict=True)
         ]
         assert _mask(view) == expected
+
+
+def test_narrow_dtypes_do_not_wrap() -> None:
+    # int8: 100 + 100 would wrap to -56 and wrongly drop the row
+    view = BatchView(1, np.array([0]), np.array([100], np.int8), np.array([100], np.int8),
+                     np.array([120], np.int8))
+    assert need_sampled_mask(view).tolist() == [True]
