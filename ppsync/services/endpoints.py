@@ -67,7 +67,8 @@ class _Service:
     async def _watch_last_issue(self) -> None:
         issue = self.path.last_issue
         assert issue is not None
-        await self.watcher.watch(Issued(*issue))
+        seq, _, work = issue
+        await self.watcher.watch(Issued(seq, work))
 
 
 class BroadcastService(_Service):

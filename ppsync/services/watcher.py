@@ -1,9 +1,9 @@
 """Watching issued transfers complete, oldest first.
 
-Both services hand every transfer they issue to a watcher. It keeps the frame
-buffer referenced until the transfer completes, and turns a failed or silent
-transfer into PeerLost / SyncTimeout, so a dead peer reaches the engine even
-while the engine is not calling ppsync.
+Both services hand every transfer they issue to a watcher. It turns a failed or
+silent transfer into PeerLost / SyncTimeout, so a dead peer reaches the engine
+even while the engine is not calling ppsync. (The token path itself keeps each
+frame buffer until its transfer completed, then recycles it.)
 
 It costs no task switch and no loop wake-up while the engine is busy: gloo
 completes one group's work in issue order, and in a pipelined engine a
@@ -20,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import anyio
-import torch
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
@@ -30,10 +29,9 @@ from ppsync.services.completion import path_completed
 
 @dataclass(frozen=True, slots=True)
 class Issued:
-    """One issued transfer and the buffer it reads or fills."""
+    """One issued transfer."""
 
     seq: int
-    buf: torch.Tensor  # [words] int64 frame buffer
     work: dist.Work
 
 
@@ -43,7 +41,6 @@ class Watcher:
     def __init__(self, path: TokenPath, *, idle_s: float = 0.1) -> None:
         self.path = path
         self.idle_s = idle_s
-        self.completed = 0
         self._pending: deque[Issued] = deque()
         self._issued = 0  # transfers handed to watch() so far
         self._wake = anyio.Event()  # something became pending, or close()
@@ -68,7 +65,6 @@ class Watcher:
         """Returns at once for a completed transfer, or raises its error;
         awaits an incomplete one by notification."""
         await path_completed(self.path, item.work, f"transfer of frame {item.seq}")
-        self.completed += 1
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Watch until :meth:`close`, then drain what was issued."""
