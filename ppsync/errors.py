@@ -70,7 +70,15 @@ class DesyncError(PPSyncError):
 class SyncTimeout(PPSyncError, TimeoutError):
     """Raised when a bounded wait (a transfer, a consumer wait, a rendezvous)
     passes its deadline; the peer is alive as far as ppsync can tell but
-    silent."""
+    silent. ``peer`` is the silent global rank where known (with a failure
+    board: the rank that never posted), else None."""
+
+    def __init__(self, message: str, *, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (SyncTimeout, str(self), {"peer": self.peer}))
 
 
 class PeerLost(PPSyncError, ConnectionError):

@@ -124,6 +124,14 @@ class StepLoop:
         )
 
 
+def skips_call(t: int, step: ScheduledStep) -> bool:
+    """Whether step ``t`` calls neither post nor publish. Engines differ on an
+    empty schedule: vLLM skips the token path's calls (the ring slot stays
+    empty on every rank), others pass an empty batch (no transfer). The
+    workload does both, on alternate empty steps, the same on every rank."""
+    return step.view.num_reqs == 0 and t % 2 == 0
+
+
 def outputs(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                           torch.Tensor | None]:
     """The last rank's sampler outputs for ``step``, as the engine hands them."""
@@ -148,6 +156,9 @@ def run_sync_rank(path: TokenPath, wcfg: WorkloadConfig, *, jitter_us: float = 0
             spent = time.perf_counter_ns() - t0
             loop.released(t, released)
         step = loop.schedule(t, path)
+        if skips_call(t, step):
+            loop.sent(t, 0, spent)
+            continue
         t0 = time.perf_counter_ns()
         if path.is_last:
             needed = path.publish(step.view, *outputs(step))
@@ -178,6 +189,9 @@ async def run_async_rank(
                 spent = time.perf_counter_ns() - t0
                 loop.released(t, released)
             step = loop.schedule(t, rank.path)
+            if skips_call(t, step):
+                loop.sent(t, 0, spent)
+                continue
             t0 = time.perf_counter_ns()
             if rank.is_last:
                 needed = await rank.publish(step.view, *outputs(step))

@@ -207,8 +207,6 @@ CASES: list[Case] = [
     # call order, on the receiver
     _recv("post-twice", "after_post", lambda p, r: p.post(_view(_idx(r))),
           ProtocolError, r"post\(\) without a consume\(\) before it"),
-    _recv("consume-twice", "after_consume", lambda p, r: p.consume(),
-          ProtocolError, r"consume\(\) twice without a post\(\) between"),
 ]
 
 

@@ -153,8 +153,7 @@ def _receiver_targets() -> list[st.SearchStrategy[BadCall]]:
     orders: list[tuple[When, str, str]] = [
         ("before_get", "receive", "receive()"),
         ("after_receive", "receive", "receive()"),
-        ("after_get", "get_prev_sampled_outputs", "get_prev_sampled_outputs()"),
-    ]
+    ]  # get_prev_sampled_outputs() twice is an empty-schedule step, not an error
     roles = [("broadcast", "broadcast()"), ("broadcast_drafts", "broadcast_drafts()")]
     return [
         *_batch_targets(RECEIVER, "after_get", "receive"),
@@ -385,9 +384,8 @@ def test_schedule_covers_every_method(world: list[RankRun]) -> None:
     }
     assert {a.kind for a in attempts} >= {"type", "dtype", "shape", "range", "mismatch",
                                           "role", "order"}
-    # order errors of each receiver method; keys that are no list of names at all
-    assert {(a.entry, a.kind) for a in attempts} >= {
-        ("receive", "order"), ("get_prev_sampled_outputs", "order")}
+    # order errors of receive(); keys that are no list of names at all
+    assert ("receive", "order") in {(a.entry, a.kind) for a in attempts}
     assert {a.label for a in attempts if a.entry == "configure_aux_hidden_state_relay"} & {
         "None", "int"}
     assert {a.arg for a in world[0].ctor + world[1].ctor} == set(CTOR_BAD)
