@@ -12,12 +12,26 @@ trio's ``TrioToken.run_sync_soon``) and await the event under a deadline.
 A torch future's ``add_done_callback`` runs the callback at once, in the
 calling thread, when the future is already complete; the hand-off then simply
 schedules ``set`` on this same loop, which is harmless.
+
+A callback cannot be taken back, and one that fires while the interpreter is
+finalizing kills the process: gloo's thread must take the GIL to run it,
+CPython ends such a thread with ``pthread_exit``, and the unwinding through
+gloo aborts ("terminate called after throwing an instance of
+'gloo::IoException'", rc -6; seen when a peer closed its connections as a
+survivor of a failure was exiting). So every work given a callback is
+remembered until it completes, and an exit hook waits, at most
+``EXIT_GRACE_S``, for the remembered ones while the interpreter is still
+whole. After a failure they end within milliseconds (their peers are gone or
+leaving too) or at the token group's timeout, which the token path sets to
+its own ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import time
 from collections.abc import Callable
 
 import anyio
@@ -28,6 +42,32 @@ from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.transport import wait_work
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
+
+
+EXIT_GRACE_S = 2.0
+"""Longest the exit hook waits for works that still carry a callback."""
+
+_with_callback: dict[int, dist.Work] = {}  # id -> work given a done-callback, not seen done
+
+
+def _settle_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
+    """Wait (bounded, polling: the loop is gone) until no remembered work is
+    pending, so none can run its callback while the interpreter finalizes."""
+    deadline = time.monotonic() + grace_s
+    while any(not w.is_completed() for w in _with_callback.values()):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+    _with_callback.clear()
+
+
+def _remember(work: dist.Work) -> None:
+    if not _with_callback:
+        atexit.unregister(_settle_at_exit)  # registered once at a time
+        atexit.register(_settle_at_exit)
+    for key in [k for k, w in _with_callback.items() if w.is_completed()]:
+        del _with_callback[key]
+    _with_callback[id(work)] = work
 
 
 def _loop_waker(event: anyio.Event) -> Callable[[], None]:
@@ -64,6 +104,7 @@ async def completed(
     if not work.is_completed():
         event = anyio.Event()
         wake = _loop_waker(event)
+        _remember(work)
         work.get_future().add_done_callback(lambda _fut: wake())
         deadline = anyio.current_time() + timeout_s
         step = timeout_s if board is None else board.slice_s
