@@ -62,11 +62,15 @@ def batch_view_of(input_batch: object) -> BatchView:
 
 
 def unsigned_max(a: np.ndarray) -> int:
-    """max(a) read as unsigned: negative entries come out huge, so one
-    reduction checks both ends of a range [0, hi)."""
+    """max(a), where any negative entry reads as at least 2**63: one reduction
+    checks both ends of a range [0, hi) for any hi <= 2**63, whatever the
+    integer dtype. (Reading a narrow signed array as unsigned of its own width
+    would not do: int8 -1 reads as 255, inside [0, 300).)"""
     if a.dtype.kind == "u":
         return int(a.max())
-    # same width and byte order, unsigned ("<i8" -> "<u8", ">i4" -> ">u4")
+    if a.dtype.itemsize < 8:
+        a = a.astype(np.int64)  # sign-extends: -1 becomes 2**64 - 1 below
+    # same byte order, unsigned 64-bit ("<i8" -> "<u8")
     return int(a.view(a.dtype.str.replace("i", "u")).max())
 
 

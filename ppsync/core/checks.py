@@ -16,11 +16,14 @@ from ppsync.errors import BatchError
 _INT_DTYPES = (torch.int64, torch.int32)
 
 
-def _host(name: str, t: object, ndim: int) -> np.ndarray:
+def _host(
+    name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = _INT_DTYPES
+) -> np.ndarray:
     if not isinstance(t, torch.Tensor):
         raise BatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INT_DTYPES:
-        raise BatchError(f"{name}.dtype = {t.dtype} must be torch.int64 or torch.int32")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise BatchError(f"{name}.dtype = {t.dtype} must be {allowed}")
     if t.dim() != ndim:
         raise BatchError(f"{name} has {t.dim()} dims, shape {tuple(t.shape)}; {ndim} expected")
     if t.is_cpu and not t.requires_grad:
@@ -44,7 +47,9 @@ def check_sampled(
     num_drafts: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate one step's sampler outputs; return their host arrays."""
-    tokens_np = _host("sampled_token_ids", sampled_token_ids, 2)
+    # token ids are int64 end to end (vLLM asserts it): a narrower dtype is a
+    # caller's bug, and accepting it let a retried call send a step twice
+    tokens_np = _host("sampled_token_ids", sampled_token_ids, 2, (torch.int64,))
     ns_np = _host("num_sampled", num_sampled, 1)
     nr_np = _host("num_rejected", num_rejected, 1)
     rows, w = tokens_np.shape

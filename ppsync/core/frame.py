@@ -4,7 +4,16 @@ Layout (int64 words)::
 
     header  [HEADER_WORDS]            magic|version, seq, num_reqs, L, K, flags,
                                       idx_digest, checksum
-    rows    [R, W], W = L + 2 + K     tokens[L], num_sampled, num_rejected, drafts[K]
+    rows    [R, W], W = L + 4 + K     tokens[L], num_sampled, num_rejected, drafts[K],
+                                      slot_need, num_computed
+
+Each row ends with the sender's facts about it: ``slot_need = 2 * idx + need``
+(its request slot index and whether it needed a sample) and its
+``num_computed_tokens``: what decides, on every rank, which rows need a
+sample. A receiver compares them with its own view, so two ranks that
+disagree about one row (another prefill_len, say) get a DesyncError naming
+that row, the field and both values, instead of a placeholder kept as a token
+or a real token dropped.
 
 R is max_num_reqs in the fixed wire mode (every frame of a group has one
 shape, so ranks that disagree about num_reqs cannot deadlock or tear the
@@ -19,6 +28,7 @@ so an engine that skips calls on empty steps keeps its ranks in agreement.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -42,13 +52,22 @@ def _weights(n: int, salt: int) -> np.ndarray:
     return (w | np.uint64(1)).view(np.int64)
 
 
+def slot_need_words(idx_np: np.ndarray, need_np: np.ndarray) -> np.ndarray:
+    """[num_reqs] int64: ``2 * idx + need`` per row (the frame's slot_need column)."""
+    words: np.ndarray = idx_np.astype(np.int64) * 2 + need_np
+    return words
+
+
 @dataclass(frozen=True, slots=True)
 class FrameView:
-    """What a rank expects of a frame: its own view of the step."""
+    """What a rank expects of a frame: its own view of the step. The row
+    facts (None in raw benchmark frames only) are checked row by row."""
 
     seq: int
     num_reqs: int
     idx_digest: int
+    slot_need_np: np.ndarray | None = None  # [num_reqs] int64, see slot_need_words
+    computed_np: np.ndarray | None = None  # [num_reqs] int, num_computed_tokens
 
     def as_dict(self, codec: FrameCodec) -> dict[str, int]:
         return {
@@ -68,7 +87,11 @@ class FrameCodec:
         self.max_num_reqs = config.max_num_reqs
         self.sample_width = config.sample_width  # L
         self.num_drafts = config.num_speculative_steps  # K
-        self.row_width = self.sample_width + 2 + self.num_drafts  # W
+        L, K = self.sample_width, self.num_drafts
+        self.col_drafts = L + 2  # drafts[K] start here
+        self.col_slot_need = L + 2 + K
+        self.col_computed = L + 3 + K
+        self.row_width = L + 4 + K  # W
         self.exact = config.wire == "exact"
         self._payload_w = _weights(self.max_num_reqs * self.row_width, salt=1)
         self._header_w = _weights(HEADER_WORDS, salt=1 << 40)
@@ -145,15 +168,21 @@ class FrameCodec:
         flags = FLAG_EXACT if self.exact else 0
         if self.num_drafts:
             if drafts_np is None:
-                rows[:, L + 2 :] = -1
+                rows[:, self.col_drafts : self.col_slot_need] = -1
             else:
-                rows[:, L + 2 :] = drafts_np
+                rows[:, self.col_drafts : self.col_slot_need] = drafts_np
                 flags |= FLAG_HAS_DRAFTS
+        rows[:, self.col_slot_need] = 0 if view.slot_need_np is None else view.slot_need_np
+        rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
         buf_np[:_H_CSUM] = (
             _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, L, self.num_drafts, flags,
             view.idx_digest,
         )
         buf_np[_H_CSUM] = self._checksum(buf_np, n)
+
+    def drafts(self, rows: np.ndarray) -> np.ndarray:
+        """[num_reqs, K] view of the draft columns of ``rows``."""
+        return rows[:, self.col_drafts : self.col_slot_need]
 
     def header_dict(self, buf_np: np.ndarray) -> dict[str, int]:
         """The header words by name (version decoded from the magic word)."""
@@ -167,19 +196,19 @@ class FrameCodec:
         """Verify a received frame against this rank's view of the step.
 
         Returns the header's flags; raises :class:`DesyncError` showing both
-        views when anything disagrees (or the payload checksum fails)."""
+        views when anything disagrees: the header's shape words, the payload
+        checksum, a row's facts (naming the row and field), the digest."""
         head = buf_np[:HEADER_WORDS]
         n = view.num_reqs
-        if (
+        if not (
             head[_H_MAGIC] == (_MAGIC | FRAME_FORMAT_VERSION)
             and head[_H_SEQ] == view.seq
             and head[_H_NREQS] == n
             and head[_H_L] == self.sample_width
             and head[_H_K] == self.num_drafts
-            and head[_H_DIGEST] == view.idx_digest
         ):
-            if int(head[_H_CSUM]) == self._checksum(buf_np, n):
-                return int(head[_H_FLAGS])
+            self._raise_header(buf_np, view, rank)
+        if int(head[_H_CSUM]) != self._checksum(buf_np, n):
             got = self.header_dict(buf_np)
             raise DesyncError(
                 f"rank {rank}: frame seq {view.seq} fails its payload checksum "
@@ -187,6 +216,41 @@ class FrameCodec:
                 expected=view.as_dict(self),
                 received=got,
             )
+        self._check_rows(buf_np, view, rank)
+        if head[_H_DIGEST] != view.idx_digest:
+            self._raise_header(buf_np, view, rank)
+        return int(head[_H_FLAGS])
+
+    def _check_rows(self, buf_np: np.ndarray, view: FrameView, rank: int) -> None:
+        """Raise DesyncError naming the first row whose facts (request slot,
+        need bit, num_computed_tokens) differ between the frame and ``view``."""
+        if view.slot_need_np is None or view.computed_np is None:
+            return
+        rows = self.rows(buf_np, view.num_reqs)
+        theirs_sn, theirs_c = rows[:, self.col_slot_need], rows[:, self.col_computed]
+        differs = (theirs_sn != view.slot_need_np) | (theirs_c != view.computed_np)
+        if not differs.any():
+            return
+        row = int(np.argmax(differs))
+        mine_sn, got_sn = int(view.slot_need_np[row]), int(theirs_sn[row])
+        mine_c, got_c = int(view.computed_np[row]), int(theirs_c[row])
+        if mine_sn >> 1 != got_sn >> 1:
+            field, mine_v, got_v = "idx_mapping", mine_sn >> 1, got_sn >> 1
+        elif mine_sn != got_sn:
+            field, mine_v, got_v = "need_sampled", mine_sn & 1, got_sn & 1
+        else:
+            field, mine_v, got_v = "num_computed_tokens", mine_c, got_c
+        what = {"need_sampled": " (whether the row produces a sample: num_computed_tokens "
+                "+ num_scheduled_tokens >= prefill_len, and the max_seq_len cap)"}.get(field, "")
+        expected = {**view.as_dict(self), "row": row, field: mine_v}
+        received = {**self.header_dict(buf_np), "row": row, field: got_v}
+        raise DesyncError(
+            f"rank {rank}: frame seq {view.seq} row {row} disagrees with this rank's view: "
+            f"{field}[{row}] mine {mine_v} vs sender {got_v}{what}",
+            expected=expected, received=received,
+        )
+
+    def _raise_header(self, buf_np: np.ndarray, view: FrameView, rank: int) -> NoReturn:
         got = self.header_dict(buf_np)
         mine = view.as_dict(self)
         diffs = ", ".join(

@@ -33,13 +33,14 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
-from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import check_peers_agree
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
+from ppsync.core.teardown import bound_group_timeout, keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock, wait_work
 from ppsync.errors import (
     BatchError,
@@ -106,6 +107,7 @@ class TokenPath:
         self.is_last = self.rank == config.pp_size - 1
         self.src = dist.get_global_rank(group, config.pp_size - 1)
         self.board = board
+        bound_group_timeout(group, config.timeout_s)
         self._broadcaster = Broadcaster(group, config.pp_size - 1)
         check_peers_agree(config, group, rank=self.rank)
         self.codec = FrameCodec(config)
@@ -290,7 +292,9 @@ class TokenPath:
         codec = self.codec
         v = step.view
         frame = FrameView(self.seq, v.num_reqs,
-                          codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np))
+                          codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np),
+                          slot_need_words(v.idx_mapping_np, step.need_np),
+                          v.num_computed_tokens_np)
         buf = codec.new_buffer(frame.num_reqs)
         codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
                    step.num_rejected_np, drafts_np)
@@ -332,8 +336,11 @@ class TokenPath:
         if needed == 0:
             return 0
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
+        # copies: the engine may refill its batch arrays before this step is consumed
         frame = FrameView(self.seq, view.num_reqs,
-                          self.codec.idx_digest(idx_np, view.num_computed_tokens_np))
+                          self.codec.idx_digest(idx_np, view.num_computed_tokens_np),
+                          slot_need_words(idx_np, need),
+                          view.num_computed_tokens_np.astype(np.int64))
         buf = self.codec.new_buffer(frame.num_reqs)
         work = self._issue(buf)
         self.ring.fill_tail(
@@ -407,7 +414,7 @@ class TokenPath:
         idx_out = np.where(keep, head.idx_np, -1)
         drafts = None
         if flags & FLAG_HAS_DRAFTS:
-            drafts_np = rows[:, L + 2 :].copy()  # a copy: the buffer is recycled
+            drafts_np = self.codec.drafts(rows).copy()  # a copy: the buffer is recycled
             drafts = torch.from_numpy(drafts_np)
             if table is not None:
                 _scatter(table, head.idx_np[keep], drafts_np[keep])
@@ -437,9 +444,13 @@ class TokenPath:
                     _, work = self._inflight.popleft()
                     self._wait(work, "draining transfer")
         finally:
+            abandoned = any(not s.work.is_completed() for s in self.ring.pending()) or any(
+                not w.is_completed() for _, w in self._inflight)
             self.ring.clear()
             self._inflight.clear()
             self._closed = True
+            if abandoned:
+                keep_until_exit(self.group)
 
     @property
     def closed(self) -> bool:

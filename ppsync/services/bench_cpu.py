@@ -21,7 +21,7 @@ import torch
 
 from ppsync.core.batch import validate_batch
 from ppsync.core.checks import check_sampled, check_step_drafts
-from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
 from ppsync.core.generations import GenerationTable
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
@@ -44,11 +44,13 @@ class _Micro:
             s.tokens, s.num_sampled, s.num_rejected, num_reqs=view.num_reqs,
             sample_width=c.sample_width, num_drafts=c.num_speculative_steps,
         )
-        need_sampled_mask(view)
+        need = need_sampled_mask(view)
         drafts_np = None if s.drafts is None else check_step_drafts(
             s.drafts, num_reqs=view.num_reqs, num_drafts=c.num_speculative_steps)
         frame = FrameView(seq, view.num_reqs,
-                          codec.idx_digest(view.idx_mapping_np, view.num_computed_tokens_np))
+                          codec.idx_digest(view.idx_mapping_np, view.num_computed_tokens_np),
+                          slot_need_words(view.idx_mapping_np, need),
+                          view.num_computed_tokens_np)
         buf = codec.new_buffer(view.num_reqs)
         codec.pack(buf.numpy(), frame, tokens_np, ns_np, nr_np, drafts_np)
         return buf
@@ -59,7 +61,9 @@ class _Micro:
         need = need_sampled_mask(view)
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
         frame = FrameView(seq, view.num_reqs,
-                          codec.idx_digest(idx_np, view.num_computed_tokens_np))
+                          codec.idx_digest(idx_np, view.num_computed_tokens_np),
+                          slot_need_words(idx_np, need),
+                          view.num_computed_tokens_np.astype(np.int64))
         codec.new_buffer(view.num_reqs)  # the buffer a receive would fill
         gen_np = self.generations.snapshot(idx_np)
         # ... the transfer fills the buffer; ``sent`` stands in for it ...
@@ -70,7 +74,7 @@ class _Micro:
         rows = codec.rows(buf_np, frame.num_reqs)
         drafts = None
         if c.num_speculative_steps:
-            drafts = torch.from_numpy(np.ascontiguousarray(rows[:, L + 2 :]))
+            drafts = torch.from_numpy(np.ascontiguousarray(codec.drafts(rows)))
         return ReleasedStep(
             seq=seq,
             sampled_tokens=torch.from_numpy(np.ascontiguousarray(rows[:, :L])),

@@ -49,12 +49,21 @@ def test_empty_batch_passes() -> None:
     assert ns_np.shape == nr_np.shape == (0,)
 
 
-def test_int32_tokens_and_int64_counts_pass() -> None:
+def test_int64_counts_pass() -> None:
     _sampled(
-        torch.zeros(3, 4, dtype=torch.int32),
+        torch.zeros(3, 4, dtype=torch.int64),
         torch.ones(3, dtype=torch.int64),
         torch.zeros(3, dtype=torch.int64),
     )
+
+
+def test_int32_tokens_are_rejected() -> None:
+    # vLLM's token ids are int64; accepting int32 let a held step be sent twice
+    # when the engine retried its broadcast
+    with pytest.raises(
+        BatchError, match=r"^sampled_token_ids\.dtype = torch\.int32 must be torch\.int64$"
+    ):
+        _sampled(torch.zeros(3, 4, dtype=torch.int32))
 
 
 def test_non_contiguous_view_passes() -> None:
@@ -85,9 +94,9 @@ def test_non_tensor_is_rejected(position: int, name: str) -> None:
 def test_bad_dtype_is_rejected(position: int, name: str, dtype: torch.dtype) -> None:
     args: list[object] = [None, None, None]
     args[position] = torch.zeros((3, 4) if position == 0 else 3, dtype=dtype)
+    allowed = r"torch\.int64" if position == 0 else r"torch\.int64 or torch\.int32"
     with pytest.raises(
-        BatchError,
-        match=rf"^{name}\.dtype = {re.escape(str(dtype))} must be torch\.int64 or torch\.int32$",
+        BatchError, match=rf"^{name}\.dtype = {re.escape(str(dtype))} must be {allowed}$"
     ):
         _sampled(*args)
 
@@ -194,7 +203,7 @@ class SampledCase:
     num_reqs: int
     sample_width: int
     num_drafts: int
-    tokens: torch.Tensor  # [num_reqs, w] int64 or int32
+    tokens: torch.Tensor  # [num_reqs, w] int64
     num_sampled: torch.Tensor  # [num_reqs] int32 or int64
     num_rejected: torch.Tensor  # [num_reqs] int32 or int64
 
@@ -210,7 +219,7 @@ def sampled_cases(draw: st.DrawFn) -> SampledCase:
     nr = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     return SampledCase(
         num_reqs=n, sample_width=k + 1, num_drafts=k,
-        tokens=torch.tensor(tokens, dtype=draw(int_dtype)).reshape(n, w),
+        tokens=torch.tensor(tokens, dtype=torch.int64).reshape(n, w),
         num_sampled=torch.tensor(ns, dtype=draw(int_dtype)),
         num_rejected=torch.tensor(nr, dtype=draw(int_dtype)),
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from ppsync.core.frame import HEADER_WORDS, FrameCodec, FrameView
+from ppsync.core.frame import HEADER_WORDS, FrameCodec, FrameView, slot_need_words
 from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig, WireMode
 from ppsync.schemas.records import FLAG_EXACT, FLAG_HAS_DRAFTS, FRAME_FORMAT_VERSION
@@ -41,8 +41,11 @@ def _step(
     L, K = codec.sample_width, codec.num_drafts
     w = L if w is None else w
     idx = rng.permutation(codec.max_num_reqs)[:num_reqs].astype(np.int64)
+    need = rng.random(num_reqs) < 0.8
+    computed = rng.integers(0, 4096, num_reqs, dtype=np.int64)
     return Step(
-        view=FrameView(seq, num_reqs, codec.idx_digest(idx)),
+        view=FrameView(seq, num_reqs, codec.idx_digest(idx), slot_need_words(idx, need),
+                       computed),
         idx_np=idx,
         tokens_np=rng.integers(0, 150_000, (num_reqs, w), dtype=np.int64),
         num_sampled_np=rng.integers(0, w + 1, num_reqs).astype(np.int32),
@@ -66,7 +69,7 @@ def _pack(codec: FrameCodec, step: Step) -> np.ndarray:
 @pytest.mark.parametrize("k", [0, 3])
 def test_fixed_wire_is_sized_for_max_num_reqs(k: int) -> None:
     codec = _codec(k)
-    assert codec.row_width == (k + 1) + 2 + k
+    assert codec.row_width == (k + 1) + 2 + k + 2  # ... drafts, slot_need, computed
     for n in (0, 1, MAX_NUM_REQS):
         assert codec.words(n) == HEADER_WORDS + MAX_NUM_REQS * codec.row_width
         assert codec.new_buffer(n).numel() == codec.words(n)
@@ -101,7 +104,7 @@ def test_round_trip(k: int, wire: WireMode) -> None:
     np.testing.assert_array_equal(rows[:, L + 1], step.num_rejected_np)
     assert step.drafts_np is not None or k == 0
     if step.drafts_np is not None:
-        np.testing.assert_array_equal(rows[:, L + 2 :], step.drafts_np)
+        np.testing.assert_array_equal(codec.drafts(rows), step.drafts_np)
 
     head = codec.header_dict(buf_np)
     assert head["version"] == FRAME_FORMAT_VERSION
@@ -134,7 +137,7 @@ def test_missing_drafts_clear_the_flag_and_columns(wire: WireMode) -> None:
     flags = codec.check(buf_np, step.view, rank=0)
     assert not flags & FLAG_HAS_DRAFTS
     assert bool(flags & FLAG_EXACT) == (wire == "exact")
-    assert (codec.rows(buf_np, 2)[:, 4 + 2 :] == -1).all()
+    assert (codec.drafts(codec.rows(buf_np, 2)) == -1).all()
 
 
 def test_no_drafts_without_speculation() -> None:
@@ -142,7 +145,7 @@ def test_no_drafts_without_speculation() -> None:
     step = _step(codec, num_reqs=3)
     assert step.drafts_np is None
     assert codec.check(_pack(codec, step), step.view, rank=0) == 0
-    assert codec.rows(np.zeros(codec.words(3), dtype=np.int64), 3).shape == (3, 3)
+    assert codec.rows(np.zeros(codec.words(3), dtype=np.int64), 3).shape == (3, 5)
 
 
 def test_int32_inputs_are_widened() -> None:
@@ -291,6 +294,53 @@ def test_corrupt_checksum_word_fails() -> None:
     buf_np[HEADER_WORDS - 1] ^= 1
     err = _desync(codec, buf_np, step.view, r"fails its payload checksum")
     assert err.received["checksum"] == int(buf_np[HEADER_WORDS - 1])
+
+
+# -- row facts: what decides which rows need a sample ---------------------------
+
+
+def _with_facts(view: FrameView, slot_need_np: np.ndarray, computed_np: np.ndarray) -> FrameView:
+    return FrameView(view.seq, view.num_reqs, view.idx_digest, slot_need_np, computed_np)
+
+
+def test_need_bit_disagreement_names_row_and_field() -> None:
+    # a receiver whose prefill_len for row 1 is 12 where the sender's is 4:
+    # the sender samples the row, the receiver thinks it needs no sample
+    codec = _codec(2)
+    step = _step(codec, num_reqs=3)
+    buf_np = _pack(codec, step)
+    assert step.view.slot_need_np is not None and step.view.computed_np is not None
+    mine = step.view.slot_need_np.copy()
+    mine[1] ^= 1
+    err = _desync(codec, buf_np, _with_facts(step.view, mine, step.view.computed_np),
+                  rf"row 1 disagrees with this rank's view: need_sampled\[1\] mine "
+                  rf"{mine[1] & 1} vs sender {1 - (mine[1] & 1)}")
+    assert err.expected["row"] == err.received["row"] == 1
+    assert err.expected["need_sampled"] != err.received["need_sampled"]
+
+
+def test_slot_disagreement_names_row_and_both_slots() -> None:
+    codec = _codec(0)
+    step = _step(codec, num_reqs=3)
+    buf_np = _pack(codec, step)
+    assert step.view.slot_need_np is not None and step.view.computed_np is not None
+    mine = step.view.slot_need_np.copy()
+    theirs = int(step.idx_np[2])
+    other = (theirs + 1) % codec.max_num_reqs
+    mine[2] = slot_need_words(np.array([other]), np.array([mine[2] & 1]))[0]
+    _desync(codec, buf_np, _with_facts(step.view, mine, step.view.computed_np),
+            rf"idx_mapping\[2\] mine {other} vs sender {theirs}")
+
+
+def test_computed_disagreement_names_row() -> None:
+    codec = _codec(1)
+    step = _step(codec, num_reqs=4)
+    buf_np = _pack(codec, step)
+    assert step.view.slot_need_np is not None and step.view.computed_np is not None
+    computed = step.view.computed_np.copy()
+    computed[3] += 1
+    _desync(codec, buf_np, _with_facts(step.view, step.view.slot_need_np, computed),
+            rf"num_computed_tokens\[3\] mine {computed[3]} vs sender {computed[3] - 1}")
 
 
 # -- idx digest ------------------------------------------------------------------

@@ -268,8 +268,9 @@ def test_divergent_batch_view_is_a_desync_error() -> None:
     slots = divergent[1]  # same num_reqs, other request slots
     assert slots.kind == "DesyncError", slots
     assert slots.expected is not None and slots.received is not None
-    assert re.search(r"frame disagrees with this rank's view.*idx_digest: mine -?\d+ vs sender",
-                     slots.message), slots.message
+    # the frame's row facts name the first row whose request slot differs
+    assert re.search(r"row \d+ disagrees with this rank's view: idx_mapping\[\d+\] mine \d+ "
+                     r"vs sender \d+", slots.message), slots.message
     assert "num_reqs" not in slots.message  # only the fields that differ are named
     assert slots.expected["seq"] == slots.received["seq"] == 0
     assert slots.expected["num_reqs"] == slots.received["num_reqs"] == 3

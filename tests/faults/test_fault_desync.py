@@ -30,11 +30,11 @@ a size mismatch on gloo:
   and the other receiver end with a typed PPSyncError (PeerLost naming the
   dead rank), not a hang. That is why the fixed wire mode is the default.
 
-A skipped step is only caught because the views of adjacent steps differ:
-the header's digest covers idx_mapping only and ``seq`` counts frames, so
-when the skipped step and the next one schedule the same request slots (a
-steady decode batch), the skipping receiver is handed the previous step's
-tokens without an error (``skipped-same-slots``, an expected failure).
+A skipped step is caught because the views of adjacent steps differ: ``seq``
+counts frames, not steps, but every frame row carries the sender's
+num_computed_tokens, which advances each step, so even when the skipped step
+and the next one schedule the same request slots (a steady decode batch,
+``skipped-same-slots``) the skipping receiver's check names the row.
 """
 
 from __future__ import annotations
@@ -207,26 +207,32 @@ def test_divergent_view_is_a_desync_error_on_every_rank(case: str, tmp_path: Pat
                            timeout_s=TIMEOUT_S)
     _check_desync(outcomes, case)
     divergent = outcomes[DIV]
-    # the divergent receiver's own header check: "mine" is its view
-    assert re.search(r"^rank 0: frame disagrees with this rank's view of the step \(",
-                     divergent.message), divergent.message
+    # the divergent receiver's own check: "mine" is its view
     mine, sender = divergent.expected, divergent.received
     first = DIVERGE_AT  # the first frame this receiver disagrees with
     assert mine["seq"] == sender["seq"] == first, divergent
     if case in ("num_reqs", "exact-larger"):
         theirs = len(_divergent_slots(first, case))
         assert (mine["num_reqs"], sender["num_reqs"]) == (theirs, 3), divergent
+        assert re.search(r"^rank 0: frame disagrees with this rank's view of the step \(",
+                         divergent.message), divergent.message
         assert f"num_reqs: mine {theirs} vs sender 3" in divergent.message
     else:
-        # same size, other request slots (permuted, or the next step's)
+        # same size, other request slots (permuted, or the next step's) or other
+        # computed counts (a skipped step): the frame's row facts name the row
         assert mine["num_reqs"] == sender["num_reqs"] == 3, divergent
         assert mine["idx_digest"] != sender["idx_digest"], divergent
-        assert "idx_digest: mine" in divergent.message and "num_reqs" not in divergent.message
+        assert re.search(rf"^rank 0: frame seq {first} row (\d+) disagrees with this rank's "
+                         r"view: (idx_mapping|num_computed_tokens)\[\1\] mine \d+ vs sender \d+$",
+                         divergent.message), divergent.message
+        row = mine["row"]
+        field_name = "idx_mapping" if "idx_mapping" in mine else "num_computed_tokens"
+        assert mine[field_name] != sender[field_name] and sender["row"] == row, divergent
     # the others learnt it from the board: the divergent rank's views, named
     for o in outcomes:
         if o.rank == DIV:
             continue
-        assert re.search(rf"^rank {o.rank}: rank {DIV} reported: rank {DIV}: frame disagrees",
+        assert re.search(rf"^rank {o.rank}: rank {DIV} reported: rank {DIV}: frame ",
                          o.message), o.message
         assert (o.expected, o.received) == (mine, sender), o
 

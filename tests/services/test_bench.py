@@ -48,7 +48,7 @@ def _check_report(report: BenchReport, groups: list[str]) -> None:
     assert report.ratios.keys() >= RATIO_KEYS
     assert all(v > 0 for v in report.ratios.values()), report.ratios
     assert all(v > 0 for v in report.cpu.model_dump().values()), report.cpu
-    assert report.frame_words == 8 + o.rows * (2 * o.spec + 3)  # header + [rows, L + 2 + K]
+    assert report.frame_words == 8 + o.rows * (2 * o.spec + 5)  # header + [rows, L + 4 + K]
     assert report.slot_us >= 500
     assert {t.name for t in report.targets} >= {"lockstep c/b", "lockstep c/a", "lockstep d/a",
                                                 "pipelined sync/seeds step"}
