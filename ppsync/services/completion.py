@@ -43,7 +43,6 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.core.transport import wait_work
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 
-
 EXIT_GRACE_S = 2.0
 """Longest the exit hook waits for works that still carry a callback."""
 
