@@ -41,11 +41,13 @@ from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import batch_view_of, validate_batch
 from ppsync.core.checks import check_draft_table
 from ppsync.core.groups import token_group
-from ppsync.core.handler import PreparedStep, TokenPath
+from ppsync.core.handler import CallNames, PreparedStep, TokenPath
 from ppsync.errors import BatchError, ConfigError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 
 __all__ = ["PPHandler"]
+
+VLLM_NAMES = CallNames(consume="get_prev_sampled_outputs", post="receive", publish="broadcast")
 
 
 class PPHandler:
@@ -89,7 +91,8 @@ class PPHandler:
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         self.config = config
-        self._path = TokenPath(config, token_group(pp_group, timeout_s=config.timeout_s))
+        self._path = TokenPath(config, token_group(pp_group, timeout_s=config.timeout_s),
+                               names=VLLM_NAMES)
         self._aux = AuxRelay()
         self._held: PreparedStep | None = None  # last rank, K > 0: waiting for its drafts
 

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -36,12 +37,12 @@ from ppsync.core.checks import check_draft_target, check_sampled, check_step_dra
 from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import check_peers_agree
-from ppsync.core.liveness import FailureBoard
+from ppsync.core.liveness import FailureBoard, kind_of, verdict
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
-from ppsync.core.transport import Broadcaster, TransportClock, wait_work
+from ppsync.core.transport import Broadcaster, TransportClock, finished, wait_work
 from ppsync.errors import (
     BatchError,
     ConfigError,
@@ -54,6 +55,17 @@ from ppsync.errors import (
 )
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_HAS_DRAFTS
+
+
+@dataclass(frozen=True, slots=True)
+class CallNames:
+    """How the caller's API names the token path's calls, so that errors speak
+    the API in use: the services' ``take()``, the vLLM adapter's
+    ``get_prev_sampled_outputs()``, or the token path's own ``consume()``."""
+
+    consume: str = "consume"
+    post: str = "post"
+    publish: str = "publish"
 
 
 @dataclass(slots=True)
@@ -92,24 +104,32 @@ class TokenPath:
         config: SyncConfig,
         group: dist.ProcessGroup,
         *,
-        board: FailureBoard | None = None,
+        board: FailureBoard | Literal["group"] | None = "group",
+        names: CallNames = CallNames(),
     ) -> None:
-        """``board``: where ranks post failures so survivors can name the lost
-        peer (see ppsync.core.liveness); None = errors cannot name it."""
+        """``board``: where ranks post failures, so that one cause gives one
+        error type on every rank, naming the culprit (see
+        ppsync.core.liveness); "group" (the default): a board in the group's
+        own store; None: no board, each rank reports only what it saw.
+        ``names``: the caller's names for consume/post/publish, used in errors."""
         size = dist.get_world_size(group)
         if size != config.pp_size:
             raise ConfigError(
                 f"pp_size = {config.pp_size} but the group has {size} ranks; they must match"
             )
         self.config = config
+        self.names = names
         self.group = group
         self.rank = dist.get_rank(group)
         self.is_last = self.rank == config.pp_size - 1
         self.src = dist.get_global_rank(group, config.pp_size - 1)
-        self.board = board
+        self.board = FailureBoard.of_group(group) if board == "group" else board
         bound_group_timeout(group, config.timeout_s)
         self._broadcaster = Broadcaster(group, config.pp_size - 1)
-        check_peers_agree(config, group, rank=self.rank)
+        self.run_id = check_peers_agree(config, group, rank=self.rank)
+        """Agreed by every rank at the handshake; scopes the failure board."""
+        if self.board is not None:
+            self.board.bind_run(self.run_id)
         self.codec = FrameCodec(config)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
@@ -172,7 +192,7 @@ class TokenPath:
     def _prune(self) -> None:
         """Drop completed works; wait the oldest while more than D are held."""
         inflight = self._inflight
-        while inflight and (inflight[0][1].is_completed() or len(inflight) > self.config.depth):
+        while inflight and (finished(inflight[0][1]) or len(inflight) > self.config.depth):
             buf, work = inflight.popleft()
             self._wait(work, "earlier transfer")
             self.codec.recycle(buf)
@@ -180,7 +200,7 @@ class TokenPath:
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait at most timeout_s; with a board, in slices, so that a failure
         any rank posted ends this wait within about a slice."""
-        if self.clock is None or work.is_completed():
+        if self.clock is None or finished(work):
             self._wait_untimed(work, what)
             return
         t0 = time.thread_time_ns()
@@ -190,55 +210,61 @@ class TokenPath:
             self.clock.wait_ns += time.thread_time_ns() - t0
 
     def _wait_untimed(self, work: dist.Work, what: str) -> None:
-        peer = None if self.is_last else self.src
         what = f"rank {self.rank}: {what}"
         timeout = self.config.timeout_s
-        if self.board is None:
-            wait_work(work, timeout_s=timeout, what=what, peer=peer)
+        board = self.board
+        if board is None:
+            try:
+                wait_work(work, timeout_s=timeout, what=what, peer=None)
+            except PPSyncError as e:
+                raise self.failed(e) from e
             return
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             try:
-                wait_work(work, timeout_s=max(0.001, min(left, self.board.slice_s)),
-                          what=what, peer=peer)
+                wait_work(work, timeout_s=max(0.001, min(left, board.slice_s)),
+                          what=what, peer=None)
                 return
             except SyncTimeout as e:
-                if left <= self.board.slice_s:
+                if left <= board.slice_s:
                     raise self.failed(SyncTimeout(f"{what}: no completion within "
                                                   f"timeout_s = {timeout}")) from e
-                if self.board.anyone_failed():
-                    raise self.failed(PeerLost(f"{what}: another rank reported a failure")) from e
+                if board.anyone_failed():
+                    raise self.failed(PeerLost(f"{what}: another rank reported a failure"),
+                                      observed=False) from e
             except PeerLost as e:
                 raise self.failed(e) from e
 
-    def failed(self, err: PPSyncError, *, settle: bool = True) -> PPSyncError:
-        """Post ``err`` on the board and return it naming the lost peers (the
-        ranks that never posted), when there is a board. ``settle``: first wait
-        (up to the board's grace) for the survivors to post; an event loop
-        passes False after waiting in its own way."""
-        if self.board is None:
+    def failed(
+        self, err: PPSyncError, *, settle: bool = True, observed: bool = True
+    ) -> PPSyncError:
+        """The error to raise for ``err``: the same type on every rank for one
+        cause, naming the culprit where the board knows it (see
+        :func:`ppsync.core.liveness.verdict`); ``err`` itself without a board.
+        Posts this rank's notice first. ``settle``: first wait (up to the
+        board's grace) for the survivors to post; an event loop passes False
+        after waiting in its own way. ``observed``: False when this rank only
+        read of a failure on the board (it then posts what the board says)."""
+        board = self.board
+        if board is None:
             return err
-        if isinstance(err, DesyncError):
-            self.board.post("DesyncError", str(err), expected=err.expected, received=err.received)
-            return err
-        self.board.post(type(err).__name__, str(err))
-        for notice in self.board.notices():
-            if notice["kind"] == "DesyncError":  # a desync, not a lost peer
-                return DesyncError(
-                    f"rank {self.rank}: rank {notice['rank']} reported: {notice['message']}",
-                    expected=notice["expected"], received=notice["received"],
-                )
-        lost = self.board.lost() if settle else self.board.missing()
-        if not lost:
-            return err
-        names = ", ".join(str(r) for r in lost)
-        if isinstance(err, SyncTimeout):
-            # nobody saw a connection fail: the unposted ranks are silent, maybe stuck
-            return SyncTimeout(f"silent peer rank(s) {names} (global), no failure reported "
-                               f"by any rank; {err}")
-        return PeerLost(f"lost peer rank(s) {names} (global); first seen here as "
-                        f"{type(err).__name__}: {err}", peer=lost[0])
+        if observed:
+            mine = err
+        else:  # report what the board says, so every rank posts the same cause
+            mine = verdict(err, board.notices(), [], rank=self.rank, observed=False)
+        views = ({"expected": mine.expected, "received": mine.received}
+                 if isinstance(mine, DesyncError) else {})
+        board.post(kind_of(mine), str(mine), **views)
+        lost = board.lost() if settle else board.missing()
+        return verdict(err, board.notices(), lost, rank=self.rank, observed=observed)
+
+    def leave(self, reason: str) -> None:
+        """Tell the peers (on the board) that this rank left its token path
+        mid-run, e.g. its engine raised: their waits end at their next board
+        check, naming this rank, instead of at their timeout."""
+        if self.board is not None and not self.board.has_posted:
+            self.board.post("Left", reason)
 
     # -- last rank --------------------------------------------------------
 
@@ -253,7 +279,7 @@ class TokenPath:
         """Check one step's batch view, sampler outputs and (optional) drafts
         [num_reqs, K] (last rank); nothing is sent. Returns the prepared step
         and the drafts' host array."""
-        self._check_role("broadcast", last=True)
+        self._check_role(self.names.publish, last=True)
         validate_batch(view, self.config.max_num_reqs)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
@@ -269,7 +295,7 @@ class TokenPath:
     def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
         Returns the rows needing a sample; 0 means the step had no transfer."""
-        self._check_role("broadcast", last=True)
+        self._check_role(self.names.publish, last=True)
         if not isinstance(step, PreparedStep):
             raise BatchError(f"step must be a PreparedStep from prepare(), got "
                              f"{type(step).__name__}")
@@ -322,11 +348,12 @@ class TokenPath:
     def post(self, view: BatchView) -> int:
         """Post this step's receive into the ring's tail (non-last ranks).
         Returns the rows needing a sample; 0 means no transfer this step."""
-        self._check_role("receive", last=False)
+        self._check_role(self.names.post, last=False)
         if not self._tail_open:
+            c, p = self.names.consume, self.names.post
             raise ProtocolError(
-                f"rank {self.rank}: post() without a consume() before it; each step is "
-                "consume() then post()"
+                f"rank {self.rank}: {p}() without a {c}() before it; each step is "
+                f"{c}() then {p}()"
             )
         validate_batch(view, self.config.max_num_reqs)
         need = need_sampled_mask(view)
@@ -373,7 +400,7 @@ class TokenPath:
         does not wait). Otherwise waits, at most timeout_s, for the transfer,
         checks the header against this rank's view (DesyncError), and scatters
         drafts into ``draft_tokens_to_update[slot]`` for kept rows only."""
-        self._check_role("get_prev_sampled_outputs", last=False)
+        self._check_role(self.names.consume, last=False)
         # consume() again without a post() between: the step before had an empty
         # schedule, so its reserved tail stays an empty slot (no transfer on any
         # rank; a rank that posted where others did not is caught by the frame's
@@ -430,10 +457,14 @@ class TokenPath:
 
     # -- lifecycle ----------------------------------------------------------
 
-    def close(self, *, drain: bool = True) -> None:
+    def close(self, *, drain: bool = True, reason: str | None = None) -> None:
         """Stop using the group. With ``drain``, wait (bounded) for every
         posted receive and issued send, so no peer is left mid-collective;
-        without, abandon them. Further calls raise ProtocolError."""
+        without, abandon them. Further calls raise ProtocolError.
+
+        Leaving with transfers abandoned, or with a ``reason`` (why this rank
+        leaves mid-run, e.g. "its engine raised ..."), tells the peers on the
+        board (:meth:`leave`) unless this rank already posted a failure."""
         if self._closed:
             return
         try:
@@ -444,13 +475,15 @@ class TokenPath:
                     _, work = self._inflight.popleft()
                     self._wait(work, "draining transfer")
         finally:
-            abandoned = any(not s.work.is_completed() for s in self.ring.pending()) or any(
-                not w.is_completed() for _, w in self._inflight)
+            abandoned = any(not finished(s.work) for s in self.ring.pending()) or any(
+                not finished(w) for _, w in self._inflight)
             self.ring.clear()
             self._inflight.clear()
             self._closed = True
             if abandoned:
                 keep_until_exit(self.group)
+            if abandoned or reason is not None:
+                self.leave(reason or "closed with transfers in flight")
 
     @property
     def closed(self) -> bool:

@@ -9,6 +9,8 @@ all_gather at start-up turns that into a DesyncError on every rank.
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 import torch.distributed as dist
 
@@ -27,11 +29,15 @@ def config_words(config: SyncConfig) -> list[int]:
             config.num_speculative_steps, config.depth, int(config.wire == "exact")]
 
 
-def check_peers_agree(config: SyncConfig, group: dist.ProcessGroup, *, rank: int) -> None:
+def check_peers_agree(config: SyncConfig, group: dist.ProcessGroup, *, rank: int) -> int:
     """All-gather every rank's configuration words over ``group`` and raise
     DesyncError, on every rank alike, if any rank differs. Collective: every
-    rank of the group calls it once, before any frame."""
-    mine = torch.tensor(config_words(config), dtype=torch.int64)
+    rank of the group calls it once, before any frame.
+
+    Returns the run id the ranks agree on: group rank 0's random nonce,
+    gathered with the words (it scopes the failure board to this run)."""
+    nonce = secrets.randbits(62)
+    mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
     assert work is not None
@@ -39,7 +45,7 @@ def check_peers_agree(config: SyncConfig, group: dist.ProcessGroup, *, rank: int
               peer=None)
     ref = dict(zip(_FIELDS, config_words(config), strict=True))
     for other, words in enumerate(gathered):
-        theirs = dict(zip(_FIELDS, (int(w) for w in words), strict=True))
+        theirs = dict(zip(_FIELDS, (int(w) for w in words[:-1]), strict=True))
         if theirs != ref:
             diffs = ", ".join(f"{k}: mine {v} vs rank {other} {theirs[k]}"
                               for k, v in ref.items() if theirs[k] != v)
@@ -47,3 +53,4 @@ def check_peers_agree(config: SyncConfig, group: dist.ProcessGroup, *, rank: int
                 f"rank {rank}: group rank {other} has another configuration ({diffs})",
                 expected=ref, received=theirs,
             )
+    return int(gathered[0][-1])

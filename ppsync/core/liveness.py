@@ -1,26 +1,66 @@
-"""Naming the lost peer: a failure board in a torch.distributed store.
+"""Naming the culprit of a failure: a failure board in a torch.distributed store.
 
 When a rank dies, gloo tells only the ranks directly connected to it (within
 ~10 ms), and their messages name an address, not a rank; the other ranks just
-see silence until their timeout. So every rank that sees a transfer fail
-*posts* on the board, and every rank that waits checks the board once per
+see silence until their timeout. So every rank that sees a failure *posts* a
+notice on the board, and every rank that waits checks the board once per
 ``slice_s`` (0.25 s): a failure anywhere reaches every survivor within about
-that slice (a wait that long is already abnormal; healthy waits take ms),
-and the ranks that never posted, after a short grace, are the lost ones.
+that slice (a wait that long is already abnormal; healthy waits take ms), and
+the ranks that never posted, after a short grace, are the lost ones.
 
-The store must outlive any rank: the local launcher hosts it in a process of
-its own; under torchrun the agent's store does. Without a board, errors still
-come typed and bounded, but cannot name the lost peer.
+Notices are scoped to one run: the token path binds its board to the run id
+its ranks agreed at the start-up handshake, so a notice left in the same
+store by an earlier run (a restart under torchrun's agent store, an engine
+that rebuilds its token path) is never read as this run's.
+
+The store should outlive any rank: the local launcher hosts it in a process of
+its own; under torchrun the agent's store does. Without a board given, the
+token path uses its group's own store (:meth:`FailureBoard.of_group`), which
+dies with the rank hosting it under a plain env:// rendezvous: then the
+errors stay typed and bounded but name only what the rank saw itself.
+
+Every store call is bounded (``op_timeout_s``): a store whose host is stopped
+(SIGSTOP) answers nothing, and a blocking call would outlast every deadline.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import torch.distributed as dist
 from torch._C._distributed_c10d import Store  # dist.Store, in a form mypy resolves
+
+from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
+
+T = TypeVar("T")
+
+KINDS = ("DesyncError", "Left", "PeerLost", "SyncTimeout")
+"""What a notice says happened, strongest cause first: a desync (another view
+of the step), a rank that left its token path (its engine raised), a lost
+connection, a silence."""
+
+
+def _bounded(call: Callable[[], T], default: T, timeout_s: float) -> T:
+    """``call()`` in a daemon thread, or ``default`` if it raised or did not
+    return within ``timeout_s`` (the thread is then left to the store)."""
+    box: list[T] = [default]
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box[0] = call()
+        except Exception:  # a dead store: the caller gets the default
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ppsync-board", daemon=True).start()
+    done.wait(timeout_s)
+    return box[0]
 
 
 class FailureBoard:
@@ -35,60 +75,84 @@ class FailureBoard:
         grace_s: float = 2.0,
         slice_s: float = 0.25,
         namespace: str = "ppsync",
+        op_timeout_s: float = 1.0,
     ) -> None:
         self.store = store
         self.ranks = list(ranks)
         self.me = me
         self.grace_s = grace_s
         self.slice_s = slice_s
-        group_id = "-".join(str(r) for r in self.ranks)
-        self._prefix = f"{namespace}/failed/{group_id}"
-        self._count = f"{self._prefix}/count"
+        self.op_timeout_s = op_timeout_s
+        self._namespace = namespace
         self._posted = False
+        self.bind_run(0)
+
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup) -> FailureBoard | None:
+        """A board in ``group``'s own store (None when it has none)."""
+        try:
+            store = group.get_group_store()
+        except RuntimeError:
+            return None
+        return cls(store, ranks=dist.get_process_group_ranks(group), me=dist.get_rank())
+
+    def bind_run(self, run_id: int) -> None:
+        """Read and write only this run's notices from now on."""
+        group_id = "-".join(str(r) for r in self.ranks)
+        self._prefix = f"{self._namespace}/run-{run_id:x}/failed/{group_id}"
+        self._count = f"{self._prefix}/count"
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
 
+    @property
+    def has_posted(self) -> bool:
+        """Whether this rank posted a notice already."""
+        return self._posted
+
     def post(self, kind: str, message: str, **views: dict[str, int]) -> None:
-        """Say, once, that this rank saw a failure of type ``kind``. Never
-        raises: the store may be gone too."""
+        """Say, once, that this rank saw a failure of ``kind`` (one of KINDS).
+        Never raises, never blocks past ``op_timeout_s``: the store may be gone
+        or stopped too."""
         if self._posted:
             return
         self._posted = True
         notice = json.dumps({"rank": self.me, "kind": kind, "message": message, **views})
-        try:
+
+        def write() -> None:
             self.store.set(self._key(self.me), notice)
             self.store.add(self._count, 1)
-        except Exception:  # a dead store must not mask the real error
-            pass
+
+        _bounded(write, None, self.op_timeout_s)
 
     def notices(self) -> list[dict[str, Any]]:
-        """Every notice posted so far (one store round trip per rank)."""
-        out = []
-        for r in self.posted():
-            try:
-                out.append(json.loads(self.store.get(self._key(r))))
-            except Exception:
-                continue
-        return out
+        """Every notice posted so far, in rank order."""
+        keys = [self._key(r) for r in self.posted() or []]
+
+        def read() -> list[dict[str, Any]]:
+            return [json.loads(self.store.get(k)) for k in keys]
+
+        return _bounded(read, [], self.op_timeout_s)
 
     def anyone_failed(self) -> bool:
         """Whether any rank of the group has posted (one store round trip)."""
-        try:
-            return int(self.store.add(self._count, 0)) > 0
-        except Exception:
-            return False
+        return _bounded(lambda: int(self.store.add(self._count, 0)) > 0, False,
+                        self.op_timeout_s)
 
-    def posted(self) -> list[int]:
-        try:
+    def posted(self) -> list[int] | None:
+        """The ranks that posted, in rank order; None when the store does not
+        answer (then nobody can be named)."""
+        def check() -> list[int] | None:
             return [r for r in self.ranks if self.store.check([self._key(r)])]
-        except Exception:
-            return []
+
+        return _bounded(check, None, self.op_timeout_s)
 
     def missing(self) -> list[int]:
-        """The other ranks that have not posted (yet)."""
-        seen = set(self.posted())
-        return [r for r in self.ranks if r not in seen and r != self.me]
+        """The other ranks that have not posted (yet); [] when unknown."""
+        posted = self.posted()
+        if posted is None:
+            return []
+        return [r for r in self.ranks if r not in posted and r != self.me]
 
     def lost(self) -> list[int]:
         """The ranks that have not posted once every survivor had the chance:
@@ -100,3 +164,48 @@ class FailureBoard:
             if len(missing) <= 1 or time.monotonic() >= deadline:
                 return missing
             time.sleep(0.05)
+
+
+def kind_of(err: PPSyncError) -> str:
+    """The notice kind (one of KINDS) that ``err`` reports."""
+    if isinstance(err, DesyncError):
+        return "DesyncError"
+    if isinstance(err, SyncTimeout):
+        return "SyncTimeout"
+    return "PeerLost"
+
+
+def verdict(
+    own: PPSyncError, notices: list[dict[str, Any]], lost: list[int], *, rank: int,
+    observed: bool = True,
+) -> PPSyncError:
+    """The one error every rank raises for one cause, from the board's
+    notices: a desync if any rank saw one; else a rank that left its token
+    path, named; else PeerLost if any rank (or this one, when ``observed``)
+    saw a connection fail, else SyncTimeout; both naming the first of ``lost``
+    (the ranks that never posted) as ``peer``, or nobody when none is known.
+    ``own`` is what this rank saw (not ``observed``: it only read the board)."""
+    if isinstance(own, DesyncError) and observed:
+        return own
+    for n in notices:
+        if n["kind"] == "DesyncError":
+            return DesyncError(f"rank {rank}: rank {n['rank']} reported: {n['message']}",
+                               expected=n.get("expected", {}), received=n.get("received", {}))
+    for n in notices:
+        if n["kind"] == "Left":
+            return PeerLost(f"rank {n['rank']} (global) left its token path ({n['message']}); "
+                            f"first seen here as {type(own).__name__}: {own}", peer=n["rank"])
+    peer = lost[0] if lost else None
+    names = ", ".join(str(r) for r in lost)
+    connection = any(n["kind"] == "PeerLost" for n in notices) or (
+        observed and isinstance(own, PeerLost))
+    if connection:
+        if peer is None:
+            return own if isinstance(own, PeerLost) and observed else PeerLost(str(own))
+        return PeerLost(f"lost peer rank(s) {names} (global); first seen here as "
+                        f"{type(own).__name__}: {own}", peer=peer)
+    if peer is None:
+        return own if isinstance(own, SyncTimeout) and observed else SyncTimeout(str(own))
+    # nobody saw a connection fail: the unposted ranks are silent, maybe stuck
+    return SyncTimeout(f"silent peer rank(s) {names} (global), no failure reported by any "
+                       f"rank; {own}", peer=peer)

@@ -82,11 +82,32 @@ def translate(exc: BaseException, *, what: str, timeout_s: float, peer: int | No
     return PeerLost(f"{what}: transfer failed ({text})", peer=peer)
 
 
-def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
-    """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost."""
+def _future(work: dist.Work) -> torch.futures.Future[object] | None:
+    """The work's future; None for works that have none (gloo's send/recv)."""
     try:
-        if work.is_completed():
-            work.wait()  # returns at once (or raises its error); no timedelta to build
+        return work.get_future()
+    except RuntimeError:
+        return None
+
+
+def finished(work: dist.Work) -> bool:
+    """Whether ``work`` has ended (completed or failed), judged by its future.
+
+    torch marks a gloo work's future done, and runs its callbacks, before the
+    work itself reports ``is_completed()``: a caller woken by a callback that
+    then asked the work would find it incomplete and block in ``wait()``."""
+    fut = _future(work)
+    done: bool = work.is_completed() if fut is None else fut.done()
+    return done
+
+
+def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
+    """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost.
+    Never blocks once :func:`finished` says the work ended."""
+    try:
+        fut = _future(work)
+        if fut is not None and fut.done():
+            fut.value()  # returns at once, or raises the transfer's error
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:

@@ -2,7 +2,7 @@
 
 Gloo completes work on its own threads. Handing each wait to a worker thread
 costs ~0.13 ms per step at P=2 and doubles the step at P=3 on 2 cores, and
-polling starves gloo's threads (MEASURED.md). So: check ``is_completed()``
+polling starves gloo's threads (docs/measured.md). So: check :func:`finished`
 first (in the pipelined flow a slot's transfer has usually completed by the
 time it is consumed, D steps later, and then nothing wakes at all); otherwise
 register a done-callback on the work's future that hands ``Event.set`` to the
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
-from ppsync.core.transport import wait_work
+from ppsync.core.transport import finished, wait_work
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 
 EXIT_GRACE_S = 2.0
@@ -53,7 +53,7 @@ def _settle_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
     """Wait (bounded, polling: the loop is gone) until no remembered work is
     pending, so none can run its callback while the interpreter finalizes."""
     deadline = time.monotonic() + grace_s
-    while any(not w.is_completed() for w in _with_callback.values()):
+    while not all(finished(w) for w in _with_callback.values()):
         if time.monotonic() >= deadline:
             return
         time.sleep(0.005)
@@ -64,7 +64,7 @@ def _remember(work: dist.Work) -> None:
     if not _with_callback:
         atexit.unregister(_settle_at_exit)  # registered once at a time
         atexit.register(_settle_at_exit)
-    for key in [k for k, w in _with_callback.items() if w.is_completed()]:
+    for key in [k for k, w in _with_callback.items() if finished(w)]:
         del _with_callback[key]
     _with_callback[id(work)] = work
 
@@ -100,7 +100,7 @@ async def completed(
 
     Cancellation leaves the work untouched (it still completes in the
     background and its owner keeps its buffer alive)."""
-    if not work.is_completed():
+    if not finished(work):
         event = anyio.Event()
         wake = _loop_waker(event)
         _remember(work)
@@ -114,8 +114,9 @@ async def completed(
             with anyio.move_on_after(min(left, step)):
                 await event.wait()
             if not event.is_set() and board is not None and board.anyone_failed():
-                raise PeerLost(f"{what}: another rank reported a failure", peer=None)
-    # Completed: this returns at once, or raises the transfer's own error.
+                raise _Relayed(f"{what}: another rank reported a failure")
+    # Ended, by its future's own state: this returns at once, or raises the
+    # transfer's own error; it never blocks the loop.
     wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
 
 
@@ -125,18 +126,25 @@ async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
     try:
         await completed(
             work, timeout_s=path.config.timeout_s, what=f"rank {path.rank}: {what}",
-            peer=None if path.is_last else path.src, board=path.board,
+            peer=None, board=path.board,
         )
     except PPSyncError as e:
         board = path.board
         if board is None:
             raise
-        path.failed(e, settle=False)  # post first, so the others can settle too
+        observed = not isinstance(e, _Relayed)
+        # post first, so the others can settle too
+        path.failed(e, settle=False, observed=observed)
         # give the survivors the board's grace to post: a bounded wait, failure path only
         deadline = anyio.current_time() + board.grace_s
         while len(board.missing()) > 1 and anyio.current_time() < deadline:  # noqa: ASYNC110 (a store, not an event)
             await anyio.sleep(0.05)
-        named = path.failed(e, settle=False)
+        named = path.failed(e, settle=False, observed=observed)
         if named is e:
             raise
         raise named from e
+
+
+class _Relayed(PeerLost):
+    """A wait ended because another rank posted a failure on the board: this
+    rank saw nothing itself, so the board's notices decide the error."""

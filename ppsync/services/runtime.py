@@ -25,20 +25,24 @@ exception group.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import anyio
 import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.handler import TokenPath
+from ppsync.core.handler import CallNames, TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
 from ppsync.errors import PeerLost, PPSyncError, RoleError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.endpoints import BroadcastService, ReceiveService
+
+SERVICE_NAMES = CallNames(consume="take", post="post", publish="publish")
 
 
 class Rank:
@@ -112,12 +116,15 @@ def _primary(eg: BaseExceptionGroup[BaseException]) -> BaseException | None:
 
 @asynccontextmanager
 async def open_rank(
-    config: SyncConfig, group: dist.ProcessGroup, *, board: FailureBoard | None = None
+    config: SyncConfig,
+    group: dist.ProcessGroup,
+    *,
+    board: FailureBoard | Literal["group"] | None = "group",
 ) -> AsyncIterator[Rank]:
     """Open this rank's token path over ``group`` (the dedicated token group)
     and run its service in a task group for the duration of the block.
     ``board``: see :class:`~ppsync.core.liveness.FailureBoard`."""
-    path = TokenPath(config, group, board=board)
+    path = TokenPath(config, group, board=board, names=SERVICE_NAMES)
     service: BroadcastService | ReceiveService = (
         BroadcastService(path) if path.is_last else ReceiveService(path)
     )
@@ -134,4 +141,13 @@ async def open_rank(
             raise
         raise one from None
     finally:
-        path.close(drain=False)
+        # leaving by an exception (the engine's, a cancellation, a failure):
+        # peers waiting on this rank learn it from the board, naming it
+        exc = sys.exc_info()[1]
+        if exc is None:
+            reason = None
+        elif isinstance(exc, anyio.get_cancelled_exc_class()):
+            reason = "its engine was cancelled"
+        else:
+            reason = f"its engine raised {type(exc).__name__}: {exc}"
+        path.close(drain=False, reason=reason)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from anyio.abc import TaskStatus
 
 from ppsync.core.handler import TokenPath
+from ppsync.core.transport import finished
 from ppsync.services.completion import path_completed
 
 
@@ -51,7 +52,7 @@ class Watcher:
         transfer raises here). Never waits for an incomplete transfer."""
         self._pending.append(item)
         self._issued += 1
-        while self._pending and self._pending[0].work.is_completed():
+        while self._pending and finished(self._pending[0].work):
             await self._done(self._pending.popleft())
         if self._pending and not self._wake.is_set():
             self._wake.set()

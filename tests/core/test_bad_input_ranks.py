@@ -199,11 +199,11 @@ CASES: list[Case] = [
           r"draft_tokens_to_update\.shape = \(8, 1\) must be \(max_num_reqs, K\) = \(8, 2\)"),
     # roles
     _recv("publish-on-receiver", "after_consume", lambda p, r: _publish(p, r),
-          RoleError, r"broadcast\(\) belongs to the last rank; group rank 0 of pp_size 2"),
+          RoleError, r"publish\(\) belongs to the last rank; group rank 0 of pp_size 2"),
     _last("post-on-last", lambda p, r: p.post(_view(_idx(r))),
-          RoleError, r"receive\(\) belongs to a non-last rank; group rank 1 of pp_size 2"),
+          RoleError, r"post\(\) belongs to a non-last rank; group rank 1 of pp_size 2"),
     _last("consume-on-last", lambda p, r: p.consume(),
-          RoleError, r"get_prev_sampled_outputs\(\) belongs to a non-last rank"),
+          RoleError, r"consume\(\) belongs to a non-last rank"),
     # call order, on the receiver
     _recv("post-twice", "after_post", lambda p, r: p.post(_view(_idx(r))),
           ProtocolError, r"post\(\) without a consume\(\) before it"),

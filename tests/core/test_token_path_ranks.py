@@ -207,7 +207,10 @@ class Seen:
 
 
 def _desync_rank(config: SyncConfig, env: RankEnv) -> list[Seen]:
-    path = _path(config)
+    # no failure board: the divergent receiver goes on after its DesyncError, and
+    # the other ranks must not learn of it (with a board they raise it too)
+    group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
+    path = TokenPath(config, group, board=None)
     out: list[Seen] = []
     if path.is_last:
         for step, (idx, _) in enumerate(PLAN):

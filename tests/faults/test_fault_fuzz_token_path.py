@@ -149,7 +149,7 @@ def _last_targets() -> list[st.SearchStrategy[BadCall]]:
         calls(NOT_A_STEP, LAST, w, "send", "step", "BatchError"),
         calls(FREE_BAD, LAST, w, "free", "req_idx", "BatchError"),
         st.sampled_from([
-            ("post", "receive()"), ("consume", "get_prev_sampled_outputs()"),
+            ("post", "post()"), ("consume", "consume()"),
             ("require_role", "receive()"),
         ]).map(lambda ef: BadCall(LAST, w, ef[0], "", "RoleError",
                                   Bad(ef[1], "role", ef[0], None))),
@@ -173,7 +173,8 @@ def _receiver_targets() -> list[st.SearchStrategy[BadCall]]:
                               Bad(o[2], "order", o[0], None))),
         st.tuples(hooks, st.sampled_from(["publish", "prepare", "send", "require_role"])).map(
             lambda he: BadCall(RECEIVER, he[0], he[1], "", "RoleError",
-                               Bad("broadcast()", "role", he[1], None))),
+                               Bad("broadcast()" if he[1] == "require_role" else "publish()",
+                                   "role", he[1], None))),
     ]
 
 

@@ -3,7 +3,9 @@
 The engine cancels its task group mid-run (after some steps, or at a
 deadline while a ``take()`` is pending), at different points on different
 ranks: every rank leaves ``open_rank`` at once, without waiting for the
-abandoned transfers, and ppsync leaves no Python thread behind. An error in
+abandoned transfers, and ppsync leaves no Python thread behind. A rank that
+leaves posts it on the failure board, so a peer still waiting on it ends with
+PeerLost naming it instead of waiting for its own deadline. An error in
 the body leaves the block as itself, not wrapped in an exception group. A
 ``take()`` cancelled while waiting consumes nothing and can be called again.
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from helpers import decode_view, engine_step
 
 from ppsync.core.groups import token_group
+from ppsync.errors import PeerLost
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.driver import Backend, StepLoop, workload_config
 from ppsync.services.launcher import RankEnv, spawn_ranks
@@ -63,7 +66,7 @@ class CancelReport:
     """What one rank saw, returned to the parent."""
 
     steps: int  # steps completed before the cancel
-    by: str  # "steps" or "deadline"; "" if the loop was never cancelled
+    by: str  # "steps", "deadline", "left:<rank>" (PeerLost naming a rank that left); "" if none
     leave_s: float  # from the cancel to being out of open_rank
     faults: tuple[int, int, int, int]  # lost, stale, duplicated, corrupt before the cancel
     rows_delivered: int
@@ -79,13 +82,18 @@ async def _engine(
     loop = StepLoop(wcfg, config.pp_size - 1 == dist.get_rank(group))
     steps, by, cancelled_at = 0, "", 0.0
     with anyio.move_on_after(stop.deadline_s) as deadline:
-        async with anyio.create_task_group() as tg, open_rank(config, group) as rank:
-            for t in range(MAX_STEPS):
-                if t == stop.after_steps:
-                    by, cancelled_at = "steps", anyio.current_time()
-                    tg.cancel_scope.cancel()
-                await engine_step(rank, loop, t)
-                steps += 1
+        try:
+            async with anyio.create_task_group() as tg, open_rank(config, group) as rank:
+                for t in range(MAX_STEPS):
+                    if t == stop.after_steps:
+                        by, cancelled_at = "steps", anyio.current_time()
+                        tg.cancel_scope.cancel()
+                    await engine_step(rank, loop, t)
+                    steps += 1
+        except* PeerLost as group:
+            lost = group.exceptions[0]
+            assert isinstance(lost, PeerLost)
+            by, cancelled_at = f"left:{lost.peer}", anyio.current_time()
     left = anyio.current_time()
     threads_left = _threads()
     if deadline.cancelled_caught:
@@ -143,7 +151,7 @@ def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend) 
         functools.partial(_cancel_rank, config, stops, backend), pp_size, timeout_s=TIMEOUT_S
     )
     for rank, (stop, r) in enumerate(zip(stops, results, strict=True)):
-        assert r.by in ("steps", "deadline"), (rank, r)
+        assert r.by in ("steps", "deadline") or r.by.startswith("left:"), (rank, r)
         if r.by == "steps":
             assert r.steps == stop.after_steps, (rank, r)
         assert r.steps < MAX_STEPS, (rank, r)
@@ -158,15 +166,17 @@ def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend) 
         assert r.faults == (0, 0, 0, 0), r
         assert r.rows_delivered > 0, r
     if plan == "last-first":
-        # the receivers were cut while take() waited, by their deadlines
-        assert [r.by for r in results] == ["deadline", "deadline", "steps"], results
+        # the receivers waited in take() for frames that never came, until the
+        # board told them the last rank (global 2) had left
+        assert [r.by for r in results] == ["left:2", "left:2", "steps"], results
     if plan == "receivers-first":
-        # rank 1 may be cut by its deadline instead: gloo's broadcast tree can
-        # relay through rank 0, which stopped posting receives first
+        # rank 0 left first; the others stop by their own plan or on learning it
         assert results[0].by == "steps", results
+        assert all(r.by in ("steps", "deadline", "left:0") for r in results[1:]), results
     if plan == "p2-receiver-first":
-        # blocked on sends the stopped receiver never matched, until its deadline
-        assert [r.by for r in results] == ["steps", "deadline"], results
+        # blocked on sends the stopped receiver never matched, until the board
+        # told the last rank that rank 0 had left
+        assert [r.by for r in results] == ["steps", "left:0"], results
 
 
 # -- an error in the body ----------------------------------------------------------
