@@ -36,7 +36,7 @@ from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
 from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
 from ppsync.core.generations import GenerationTable
-from ppsync.core.handshake import check_peers_agree
+from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
@@ -106,6 +106,7 @@ class TokenPath:
         *,
         board: FailureBoard | Literal["group"] | None = "group",
         names: CallNames = CallNames(),
+        wait_handshake: bool = True,
     ) -> None:
         """``board``: where ranks post failures, so that one cause gives one
         error type on every rank, naming the culprit (see
@@ -126,10 +127,13 @@ class TokenPath:
         self.board = FailureBoard.of_group(group) if board == "group" else board
         bound_group_timeout(group, config.timeout_s)
         self._broadcaster = Broadcaster(group, config.pp_size - 1)
-        self.run_id = check_peers_agree(config, group, rank=self.rank)
+        self.handshake: Handshake | None = Handshake(config, group, rank=self.rank)
+        """Issued at once; finished here, or by the caller (``wait_handshake``
+        False: an event loop awaits its work, then calls finish_handshake)."""
+        self.run_id = 0
         """Agreed by every rank at the handshake; scopes the failure board."""
-        if self.board is not None:
-            self.board.bind_run(self.run_id)
+        if wait_handshake:
+            self.finish_handshake()
         self.codec = FrameCodec(config)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
@@ -142,6 +146,17 @@ class TokenPath:
         """(seq, buffer, work) of the most recent collective issued."""
         self.clock: TransportClock | None = None
         """When set, collects the CPU time of issues and of real waits."""
+
+    def finish_handshake(self) -> None:
+        """Check the start-up handshake (DesyncError if any rank's
+        configuration differs) and bind the board to the agreed run id.
+        Every other call needs it done."""
+        if self.handshake is None:
+            return
+        self.run_id = self.handshake.finish()
+        self.handshake = None
+        if self.board is not None:
+            self.board.bind_run(self.run_id)
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         if self.clock is None:
@@ -174,6 +189,9 @@ class TokenPath:
     def _check_open(self) -> None:
         if self._closed:
             raise ProtocolError(f"rank {self.rank}: token path used after close()")
+        if self.handshake is not None:
+            raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
+                                "handshake finished (finish_handshake())")
 
     def require_role(self, op: str, *, last: bool) -> None:
         """Raise RoleError unless this rank is (``last``) or is not the last

@@ -29,28 +29,39 @@ def config_words(config: SyncConfig) -> list[int]:
             config.num_speculative_steps, config.depth, int(config.wire == "exact")]
 
 
-def check_peers_agree(config: SyncConfig, group: dist.ProcessGroup, *, rank: int) -> int:
-    """All-gather every rank's configuration words over ``group`` and raise
-    DesyncError, on every rank alike, if any rank differs. Collective: every
-    rank of the group calls it once, before any frame.
+class Handshake:
+    """The configuration all-gather, issued; :meth:`finish` checks it.
 
-    Returns the run id the ranks agree on: group rank 0's random nonce,
-    gathered with the words (it scopes the failure board to this run)."""
-    nonce = secrets.randbits(62)
-    mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    assert work is not None
-    wait_work(work, timeout_s=config.timeout_s, what=f"rank {rank}: configuration handshake",
-              peer=None)
-    ref = dict(zip(_FIELDS, config_words(config), strict=True))
-    for other, words in enumerate(gathered):
-        theirs = dict(zip(_FIELDS, (int(w) for w in words[:-1]), strict=True))
-        if theirs != ref:
-            diffs = ", ".join(f"{k}: mine {v} vs rank {other} {theirs[k]}"
-                              for k, v in ref.items() if theirs[k] != v)
-            raise DesyncError(
-                f"rank {rank}: group rank {other} has another configuration ({diffs})",
-                expected=ref, received=theirs,
-            )
-    return int(gathered[0][-1])
+    Collective: every rank of the group starts it once, before any frame.
+    An event loop awaits :attr:`work` by notification before calling
+    :meth:`finish`, so the wait for slow peers never blocks the loop."""
+
+    def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        nonce = secrets.randbits(62)
+        mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64)
+        self._gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
+        work = dist.all_gather(self._gathered, mine, group=group, async_op=True)
+        assert work is not None
+        self.work: dist.Work = work
+
+    def finish(self) -> int:
+        """Wait (bounded) for every rank's words and raise DesyncError, on
+        every rank alike, if any rank differs. Returns the run id the ranks
+        agree on: group rank 0's random nonce, gathered with the words (it
+        scopes the failure board to this run)."""
+        config, rank = self.config, self.rank
+        wait_work(self.work, timeout_s=config.timeout_s,
+                  what=f"rank {rank}: configuration handshake", peer=None)
+        ref = dict(zip(_FIELDS, config_words(config), strict=True))
+        for other, words in enumerate(self._gathered):
+            theirs = dict(zip(_FIELDS, (int(w) for w in words[:-1]), strict=True))
+            if theirs != ref:
+                diffs = ", ".join(f"{k}: mine {v} vs rank {other} {theirs[k]}"
+                                  for k, v in ref.items() if theirs[k] != v)
+                raise DesyncError(
+                    f"rank {rank}: group rank {other} has another configuration ({diffs})",
+                    expected=ref, received=theirs,
+                )
+        return int(self._gathered[0][-1])

@@ -40,6 +40,7 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
 from ppsync.errors import PeerLost, PPSyncError, RoleError
 from ppsync.schemas.config import SyncConfig
+from ppsync.services.completion import completed
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 
 SERVICE_NAMES = CallNames(consume="take", post="post", publish="publish")
@@ -124,10 +125,19 @@ async def open_rank(
     """Open this rank's token path over ``group`` (the dedicated token group)
     and run its service in a task group for the duration of the block.
     ``board``: see :class:`~ppsync.core.liveness.FailureBoard`."""
-    path = TokenPath(config, group, board=board, names=SERVICE_NAMES)
+    path = TokenPath(config, group, board=board, names=SERVICE_NAMES, wait_handshake=False)
     service: BroadcastService | ReceiveService = (
         BroadcastService(path) if path.is_last else ReceiveService(path)
     )
+    assert path.handshake is not None
+    try:
+        # the peers may take seconds to arrive: await the handshake, never block on it
+        await completed(path.handshake.work, timeout_s=config.timeout_s,
+                        what=f"rank {path.rank}: configuration handshake", peer=None)
+        path.finish_handshake()
+    except BaseException:
+        path.close(drain=False)
+        raise
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(service.run)

@@ -89,6 +89,8 @@ async def _receiver_calls(rank: Rank) -> list[tuple[str, Outcome]]:
         await _outcome("take", rank.take()),  # the ring starts with an empty slot
         await _outcome("post idx out of range", rank.post(decode_view([IDX[0], MAX_NUM_REQS + 3]))),
         await _outcome("post", rank.post(decode_view(IDX))),
+        # errors speak the services' API, not the token path's consume()
+        await _outcome("post again", rank.post(decode_view(IDX))),
     ]
     released = await rank.take()
     assert released is not None
@@ -131,6 +133,8 @@ def test_wrong_role_and_bad_input_raise_before_any_collective(backend: Backend) 
         ("take", "ok", r"None"),
         ("post idx out of range", "BatchError", bad),
         ("post", "ok", r"2"),
+        ("post again", "ProtocolError",
+         r"^rank 0: post\(\) without a take\(\) before it; each step is take\(\) then post\(\)$"),
         # the one valid step arrived intact after every rejected call
         ("released", "ok", re.escape(repr(((500, 501), tuple(IDX))))),
     ]
