@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ppsync tests
+	$(VENV)/bin/ruff check ppsync tests examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
