@@ -2,7 +2,7 @@
 
 Gloo completes work on its own threads. Handing each wait to a worker thread
 costs ~0.13 ms per step at P=2 and doubles the step at P=3 on 2 cores, and
-polling starves gloo's threads (MEASURED.md). So: check ``is_completed()``
+polling starves gloo's threads (both seen on a 2-core machine). So: check ``is_completed()``
 first (in the pipelined flow a slot's transfer has usually completed by the
 time it is consumed, D steps later, and then nothing wakes at all); otherwise
 register a done-callback on the work's future that hands ``Event.set`` to the
