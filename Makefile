@@ -1,24 +1,35 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
-# Each creates .venv when missing. torch is pinned to the CPU wheel here unless
-# the venv already has a torch (GPU users: install your own build first, e.g.
-# `python3 -m venv .venv && .venv/bin/pip install torch` for CUDA).
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.ppsync-installed
+# Each creates $(VENV) when missing and installs torch's CPU build, pinned,
+# from PyTorch's CPU wheel index, so an ordinary Linux machine never pulls the
+# multi-GB CUDA build. A venv that already has a torch keeps it (GPU users:
+# `python3 -m venv .venv && .venv/bin/pip install torch` first, then make).
+#
+# torch goes in alone (--no-deps, with the CPU index added on the command line);
+# its own dependencies come with ppsync's in the second pip call, from the
+# indexes pip is configured with. A command-line --extra-index-url replaces the
+# configured ones, so this keeps them for everything but torch. Where the CPU
+# index cannot be reached, pip falls back to a local wheel (pip's find-links)
+# and TORCH_PIP_NET keeps it from waiting long on the network first.
+VENV          ?= .venv
+PY            := $(VENV)/bin/python
+TORCH         ?= torch==2.13.0+cpu
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+TORCH_PIP_NET ?= --retries 2 --timeout 15
+STAMP         := $(VENV)/.ppsync-installed
 
 .PHONY: venv test lint typecheck pytest demo soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(TORCH)'
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q --no-deps \
+		$(TORCH_PIP_NET) --extra-index-url $(TORCH_INDEX) '$(TORCH)'
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ppsync tests
+	$(VENV)/bin/ruff check ppsync tests examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -13,6 +13,7 @@ from ppsync.compat import PPHandler
 from ppsync.core import (
     AuxRelay,
     BatchView,
+    FailureBoard,
     ReleasedStep,
     TokenPath,
     batch_view_of,
@@ -44,6 +45,7 @@ __all__ = [
     "BroadcastService",
     "ConfigError",
     "DesyncError",
+    "FailureBoard",
     "PPHandler",
     "PPSyncError",
     "PeerLost",

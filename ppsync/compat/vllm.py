@@ -11,8 +11,8 @@ in this order:
    :meth:`PPHandler.receive`; the last rank :meth:`PPHandler.broadcast` and,
    when K > 0, :meth:`PPHandler.broadcast_drafts`.
 
-With K > 0 the last rank's tokens and drafts travel as one frame (DESIGN.md
-§2): ``broadcast`` checks the step and holds it, ``broadcast_drafts`` sends it
+With K > 0 the last rank's tokens and drafts travel as one frame (docs/design.md
+§4): ``broadcast`` checks the step and holds it, ``broadcast_drafts`` sends it
 with the drafts. A held step never outlives its engine step: if the drafts do
 not come, it goes without them (the frame header says so, and receivers
 scatter no drafts for it) at the next call that starts a step
@@ -55,7 +55,7 @@ class PPHandler:
 
     ``group`` is the PP group (None: the default group, passed explicitly
     here, never looked up further down). The handler makes its own token
-    group with the same ranks (rule 6 of DESIGN.md), collectively over the PP
+    group with the same ranks (rule 6 of docs/design.md), collectively over the PP
     group's members only, so every member must construct its handler at the
     same point. ``ring_depth`` is D (None: pp_size); ``timeout_s`` bounds
     every wait. Bad values raise :class:`ConfigError` before any collective.

@@ -1,5 +1,6 @@
 """Synchronous core (torch + numpy): need-sampled mask, generation table,
-slot ring, frame codec, process groups, and the handler that combines them."""
+slot ring, frame codec, process groups, the failure board, and the handler
+that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
@@ -7,6 +8,7 @@ from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
 from ppsync.core.handler import PendingStep, PreparedStep, TokenPath
+from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
@@ -14,6 +16,7 @@ from ppsync.core.ring import SlotRing
 __all__ = [
     "AuxRelay",
     "BatchView",
+    "FailureBoard",
     "FrameCodec",
     "FrameView",
     "GenerationTable",

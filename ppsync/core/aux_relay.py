@@ -1,4 +1,4 @@
-"""Rule 7 of DESIGN.md: relay named aux hidden states (EAGLE3-style drafters)
+"""Rule 7 of docs/design.md: relay named aux hidden states (EAGLE3-style drafters)
 from the upstream stage to the next one, unchanged."""
 
 from __future__ import annotations

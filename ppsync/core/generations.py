@@ -1,4 +1,4 @@
-"""Rule 3 of DESIGN.md: one generation counter per request slot.
+"""Rule 3 of docs/design.md: one generation counter per request slot.
 
 A request slot index is reused when its request ends. Bumping the slot's
 counter whenever it is freed lets a consumer tell, D steps after a receive was

@@ -1,4 +1,4 @@
-"""The token path's dedicated process group (rule 6 of DESIGN.md).
+"""The token path's dedicated process group (rule 6 of docs/design.md).
 
 The group has the same ranks as the PP group it serves, so its collectives
 never serialize behind the hidden-state send/recv between stages. Groups are

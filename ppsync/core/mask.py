@@ -1,4 +1,4 @@
-"""Rule 1 of DESIGN.md: which rows of a step produce a sample."""
+"""Rule 1 of docs/design.md: which rows of a step produce a sample."""
 
 from __future__ import annotations
 

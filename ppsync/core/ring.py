@@ -1,4 +1,4 @@
-"""Rule 2 of DESIGN.md: the FIFO of pending steps on a non-last rank."""
+"""Rule 2 of docs/design.md: the FIFO of pending steps on a non-last rank."""
 
 from __future__ import annotations
 

@@ -26,6 +26,11 @@ class RankReport(BaseModel):
     """Rows needing a sample that the last rank broadcast."""
     rows_expected: int = Field(default=0, ge=0)
     """Rows this receiver should have been handed (needed and still live)."""
+    excluded: int = Field(default=0, ge=0)
+    """Rows the last rank sent that this receiver had to drop: their request
+    slot was freed (its generation changed) between the receive's post and its
+    consume. In a clean run, last rank's rows_sent = rows_delivered + excluded
+    on every receiver."""
     rows_delivered: int = Field(default=0, ge=0)
     """Rows handed to the engine whose tokens matched the workload exactly."""
     lost: int = Field(default=0, ge=0)

@@ -1,7 +1,9 @@
 """Checks each released step against the synthetic workload, exactly.
 
 For every row of step s, released at step s + D: it is *expected* when it
-needed a sample and its request was not freed in between. A kept row that
+needed a sample and its request was not freed in between, and *excluded* when
+it needed a sample but its request slot was freed in between (the last rank
+sent it; the receiver must drop it). A kept row that
 was not expected is *stale*; an expected row not kept is *lost*; a kept,
 expected row whose tokens, counts, drafts or request slot differ is *corrupt*;
 a row for a (request, position) delivered before is *duplicated*.
@@ -21,6 +23,7 @@ from ppsync.services.workload import ScheduledStep, Workload
 @dataclass(slots=True)
 class Tally:
     rows_expected: int = 0
+    excluded: int = 0
     delivered: int = 0
     lost: int = 0
     stale: int = 0
@@ -62,6 +65,7 @@ class Checker:
             return
         expected = self.expected_rows(rec, now)
         t.rows_expected += int(expected.sum())
+        t.excluded += int((rec.need_np & ~expected).sum())
         if released is None:
             t.lost += int(expected.sum())
             return

@@ -117,7 +117,7 @@ class StepLoop:
         return RankReport(
             rank=rank, role="last" if self.is_last else "receiver", steps=self.wcfg.steps,
             transfers=self.transfers, rows_sent=self.rows_sent, rows_expected=tl.rows_expected,
-            rows_delivered=tl.delivered, lost=tl.lost, stale=tl.stale,
+            excluded=tl.excluded, rows_delivered=tl.delivered, lost=tl.lost, stale=tl.stale,
             duplicated=tl.duplicated, corrupt=tl.corrupt, sync_us_p50=p50, sync_us_p99=p99,
             wall_s=time.perf_counter() - self.started,
             rss_start_mb=self.rss_start_mb, rss_end_mb=resident_mb(),

@@ -63,15 +63,26 @@ def run_local(
 
 
 def format_table(report: RunReport) -> str:
-    """The per-rank table ``ppsync launch`` prints."""
+    """The per-rank table ``ppsync launch`` prints.
+
+    ``sent`` is the last rank's (rows needing a sample it broadcast); the
+    receiver columns (expected, excluded, delivered) read against it: in a
+    clean run every receiver has delivered = expected and
+    sent = delivered + excluded. A column that does not apply to a rank's
+    role shows ``-``."""
     head = (f"{'rank':>4} {'role':<8} {'steps':>6} {'transfers':>9} {'sent':>7} "
-            f"{'expected':>8} {'delivered':>9} {'lost':>5} {'stale':>5} {'dup':>4} "
-            f"{'corrupt':>7} {'p50_us':>8} {'p99_us':>8} {'rss_mb':>13}")
+            f"{'expected':>8} {'excluded':>8} {'delivered':>9} {'lost':>5} {'stale':>5} "
+            f"{'dup':>4} {'corrupt':>7} {'p50_us':>8} {'p99_us':>8} {'rss_mb':>13}")
     lines = [head]
     for r in report.ranks:
+        last = r.role == "last"
+        sent = r.rows_sent if last else "-"
+        expected, excluded, delivered = (
+            ("-", "-", "-") if last else (r.rows_expected, r.excluded, r.rows_delivered)
+        )
         lines.append(
-            f"{r.rank:>4} {r.role:<8} {r.steps:>6} {r.transfers:>9} {r.rows_sent:>7} "
-            f"{r.rows_expected:>8} {r.rows_delivered:>9} {r.lost:>5} {r.stale:>5} "
+            f"{r.rank:>4} {r.role:<8} {r.steps:>6} {r.transfers:>9} {sent:>7} "
+            f"{expected:>8} {excluded:>8} {delivered:>9} {r.lost:>5} {r.stale:>5} "
             f"{r.duplicated:>4} {r.corrupt:>7} {r.sync_us_p50:>8.1f} {r.sync_us_p99:>8.1f} "
             f"{r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}"
         )

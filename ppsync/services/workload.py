@@ -1,4 +1,4 @@
-"""The synthetic workload (DESIGN.md §5): a deterministic scheduler that every
+"""The synthetic workload (docs/design.md §6): a deterministic scheduler that every
 rank runs from one seed.
 
 Requests arrive, prefill in chunks, decode (accepting or rejecting speculative

@@ -1,4 +1,4 @@
-"""Rule 7 of DESIGN.md: AuxRelay."""
+"""Rule 7 of docs/design.md: AuxRelay."""
 
 from __future__ import annotations
 

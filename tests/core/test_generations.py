@@ -1,4 +1,4 @@
-"""Rule 3 of DESIGN.md: GenerationTable."""
+"""Rule 3 of docs/design.md: GenerationTable."""
 
 from __future__ import annotations
 

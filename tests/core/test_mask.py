@@ -1,4 +1,4 @@
-"""Rule 1 of DESIGN.md: need_sampled_mask."""
+"""Rule 1 of docs/design.md: need_sampled_mask."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rule 2 of DESIGN.md: SlotRing."""
+"""Rule 2 of docs/design.md: SlotRing."""
 
 from __future__ import annotations
 

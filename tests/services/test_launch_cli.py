@@ -16,6 +16,8 @@ from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport, RunReport
+from ppsync.services.driver import Backend
+from ppsync.services.run import format_table, run_local
 
 
 def _exit_code(argv: Sequence[str]) -> int:
@@ -50,7 +52,27 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     assert (receiver.role, last.role) == ("receiver", "last")
     assert receiver.rows_delivered == receiver.rows_expected > 0
     assert receiver.transfers == last.transfers > 0
-    assert last.rows_sent >= receiver.rows_expected
+    assert last.rows_sent == receiver.rows_delivered + receiver.excluded
+
+
+@pytest.mark.parametrize("backend", [None, "trio"])
+def test_sent_is_delivered_plus_excluded_on_every_receiver(backend: Backend | None) -> None:
+    """Every row the last rank sends is either delivered or excluded because
+    its request slot was freed while the step was in flight (P = 3, D = 3)."""
+    config = SyncConfig.build(pp_size=3, max_num_reqs=8, num_speculative_steps=2,
+                              timeout_s=20.0)
+    report = run_local(config, steps=300, seed=1, backend=backend)
+    *receivers, last = report.ranks
+    assert report.ok, report
+    for r in receivers:
+        assert r.excluded > 0, r  # the workload frees slots of steps in flight
+        assert last.rows_sent == r.rows_delivered + r.excluded, (last, r)
+    head, row0, *_ = format_table(report).splitlines()
+    cols = head.split()
+    assert cols[cols.index("sent"):cols.index("delivered") + 1] == [
+        "sent", "expected", "excluded", "delivered"]
+    values = dict(zip(cols, row0.split(), strict=False))
+    assert (values["sent"], values["excluded"]) == ("-", str(receivers[0].excluded))
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

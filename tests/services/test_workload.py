@@ -1,4 +1,4 @@
-"""The synthetic workload (DESIGN.md §5), in one process: deterministic from
+"""The synthetic workload (docs/design.md §6), in one process: deterministic from
 its seed, and every step it schedules is a valid, self-consistent batch."""
 
 from __future__ import annotations
