@@ -25,6 +25,7 @@ import os
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 import anyio
 import anyio.lowlevel
@@ -150,8 +151,8 @@ def sample(step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     return tokens, num_sampled, num_rejected, drafts
 
 
-async def engine(config: SyncConfig, group: dist.ProcessGroup, board: FailureBoard | None,
-                 steps: int) -> str:
+async def engine(config: SyncConfig, group: dist.ProcessGroup,
+                 board: FailureBoard | Literal["group"], steps: int) -> str:
     """The engine loop of one rank; returns the line it prints."""
     D = config.depth
     sched = Scheduler(D)
@@ -196,7 +197,7 @@ async def engine(config: SyncConfig, group: dist.ProcessGroup, board: FailureBoa
     digest = zlib.crc32(repr(outputs).encode())
     role = "last" if rank.is_last else "receiver"
     return (f"embed_anyio rank={dist.get_rank()} role={role} steps={steps} drained={D} "
-            f"tokens={sched.tokens} ended={len(sched.finished)} board={board is not None} "
+            f"tokens={sched.tokens} ended={len(sched.finished)} board={board != 'group'} "
             f"digest={digest:08x}")
 
 
@@ -215,7 +216,8 @@ def main() -> None:
     config = SyncConfig.build(pp_size=args.world_size, max_num_reqs=MAX_NUM_REQS,
                               num_speculative_steps=K, timeout_s=args.timeout)
     # Under torchrun the agent hosts the store and every rank is a client; it
-    # outlives any rank, so a failure board can live there.
+    # outlives any rank, so a failure board can live there. Otherwise the token
+    # path's default board lives in its group's store (rank 0's, here).
     agent_store = env("TORCHELASTIC_USE_AGENT_STORE") == "True"
     timeout = datetime.timedelta(seconds=args.timeout)
     store = dist.TCPStore(  # type: ignore[attr-defined]  # torch's stubs omit it
@@ -225,8 +227,9 @@ def main() -> None:
                             timeout=timeout)
     pp_group = dist.new_group(list(range(args.world_size)))  # your engine's PP group
     group = token_group(pp_group, timeout_s=config.timeout_s)  # same ranks, its own group
-    board = FailureBoard(store, ranks=dist.get_process_group_ranks(group),
-                         me=dist.get_rank()) if agent_store else None
+    board: FailureBoard | Literal["group"] = FailureBoard(
+        store, ranks=dist.get_process_group_ranks(group), me=dist.get_rank(),
+    ) if agent_store else "group"
     print(anyio.run(engine, config, group, board, args.steps, backend=args.backend), flush=True)
     dist.destroy_process_group()
 
