@@ -132,8 +132,9 @@ class FrameCodec:
         num_sampled_np: np.ndarray,  # [num_reqs] int
         num_rejected_np: np.ndarray,  # [num_reqs] int
         drafts_np: np.ndarray | None,  # [num_reqs, K] int, None = no drafts
-    ) -> None:
-        """Write one step into ``buf_np`` (inputs already validated)."""
+    ) -> tuple[int, int]:
+        """Write one step into ``buf_np`` (inputs already validated); return
+        the header's (flags, checksum)."""
         n, L = view.num_reqs, self.sample_width
         rows = self.rows(buf_np, n)
         w = tokens_np.shape[1]
@@ -153,7 +154,9 @@ class FrameCodec:
             _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, L, self.num_drafts, flags,
             view.idx_digest,
         )
-        buf_np[_H_CSUM] = self._checksum(buf_np, n)
+        checksum = self._checksum(buf_np, n)
+        buf_np[_H_CSUM] = checksum
+        return flags, checksum
 
     def header_dict(self, buf_np: np.ndarray) -> dict[str, int]:
         """The header words by name (version decoded from the magic word)."""

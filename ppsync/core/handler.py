@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,11 +34,13 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
+from ppsync.core.dumps import dump_on_error, register, write_dump
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import check_peers_agree
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 from ppsync.core.transport import Broadcaster, TransportClock, wait_work
@@ -120,6 +123,12 @@ class TokenPath:
         """(seq, buffer, work) of the most recent collective issued."""
         self.clock: TransportClock | None = None
         """When set, collects the CPU time of issues and of real waits."""
+        self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
+                                       depth=config.depth)
+        """This path's flight recorder (ppsync.core.recorder); see :meth:`dump`."""
+        self.group_ranks: list[int] = dist.get_process_group_ranks(group)
+        self.global_rank = self.group_ranks[self.rank]
+        register(self)
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         if self.clock is None:
@@ -136,6 +145,7 @@ class TokenPath:
         """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
         self._check_open()
         self.generations.bump(req_idx)
+        self.recorder.free(self.steps, req_idx, self.generations.generation(req_idx))
 
     def inflight_works(self) -> Iterator[dist.Work]:
         """Works issued and not yet known complete (last rank: sends; other
@@ -173,6 +183,7 @@ class TokenPath:
         while inflight and (inflight[0][1].is_completed() or len(inflight) > self.config.depth):
             buf, work = inflight.popleft()
             self._wait(work, "earlier transfer")
+            self.recorder.complete(work, self.steps)
             self.codec.recycle(buf)
 
     def _wait(self, work: dist.Work, what: str) -> None:
@@ -192,7 +203,10 @@ class TokenPath:
         what = f"rank {self.rank}: {what}"
         timeout = self.config.timeout_s
         if self.board is None:
-            wait_work(work, timeout_s=timeout, what=what, peer=peer)
+            try:
+                wait_work(work, timeout_s=timeout, what=what, peer=peer)
+            except PPSyncError as e:
+                raise self.failed(e) from e.__cause__
             return
         deadline = time.monotonic() + timeout
         while True:
@@ -214,7 +228,13 @@ class TokenPath:
         """Post ``err`` on the board and return it naming the lost peers (the
         ranks that never posted), when there is a board. ``settle``: first wait
         (up to the board's grace) for the survivors to post; an event loop
-        passes False after waiting in its own way."""
+        passes False after waiting in its own way. The error is recorded and,
+        with a dump directory, dumped; its message names the file."""
+        named = self._named(err, settle=settle)
+        dump_on_error(self, named)
+        return named
+
+    def _named(self, err: PPSyncError, *, settle: bool) -> PPSyncError:
         if self.board is None:
             return err
         if isinstance(err, DesyncError):
@@ -284,6 +304,8 @@ class TokenPath:
             )
         self.steps += 1
         needed = step.num_needed
+        self.recorder.call(True, self.steps - 1, self.seq if needed else -1, 0,
+                           step.view.num_reqs, needed)
         if needed == 0:
             return 0
         self._prune()
@@ -292,9 +314,11 @@ class TokenPath:
         frame = FrameView(self.seq, v.num_reqs,
                           codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np))
         buf = codec.new_buffer(frame.num_reqs)
-        codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
-                   step.num_rejected_np, drafts_np)
+        flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
+                                     step.num_rejected_np, drafts_np)
         work = self._issue(buf)
+        self.recorder.issue(work, self.steps - 1, self.seq, 0, frame.num_reqs, needed,
+                            frame.idx_digest, checksum, flags)
         self._inflight.append((buf, work))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
@@ -329,6 +353,8 @@ class TokenPath:
         needed = int(need.sum())
         self._tail_open = False
         self.steps += 1
+        self.recorder.call(False, self.steps - 1, self.seq if needed else -1,
+                           self.ring.advanced, view.num_reqs, needed)
         if needed == 0:
             return 0
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
@@ -336,6 +362,8 @@ class TokenPath:
                           self.codec.idx_digest(idx_np, view.num_computed_tokens_np))
         buf = self.codec.new_buffer(frame.num_reqs)
         work = self._issue(buf)
+        self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
+                            needed, frame.idx_digest, 0, 0)
         self.ring.fill_tail(
             PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
         )
@@ -388,13 +416,17 @@ class TokenPath:
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.
             self._inflight.append((head.buf, head.work))
+            self.recorder.consume(head.frame, self.steps, self.ring.advanced, 0, 0)
             return None
+        wait_from_ns = time.monotonic_ns()
         self._wait(head.work, f"receive of frame {head.frame.seq}")
         try:
             released = self._release(head, keep, table)
         except DesyncError as e:
             raise self.failed(e) from None
         self.codec.recycle(head.buf)  # everything released was copied out
+        self.recorder.consume(head.frame, self.steps, self.ring.advanced,
+                              int(np.count_nonzero(keep)), wait_from_ns)
         return released
 
     def _release(
@@ -436,6 +468,7 @@ class TokenPath:
                 while self._inflight:
                     _, work = self._inflight.popleft()
                     self._wait(work, "draining transfer")
+                self.recorder.drained(self.steps)
         finally:
             self.ring.clear()
             self._inflight.clear()
@@ -444,6 +477,11 @@ class TokenPath:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def dump(self, path: str | Path) -> Path:
+        """Write this path's flight record to ``path`` as JSON Lines
+        (ppsync.schemas.dump; see ppsync.core.dumps); returns the path."""
+        return write_dump(self, Path(path), reason="request")
 
 
 def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> None:
