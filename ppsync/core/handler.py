@@ -304,9 +304,8 @@ class TokenPath:
             )
         self.steps += 1
         needed = step.num_needed
-        self.recorder.call(True, self.steps - 1, self.seq if needed else -1, 0,
-                           step.view.num_reqs, needed)
         if needed == 0:
+            self.recorder.call(True, self.steps - 1, 0, step.view.num_reqs)
             return 0
         self._prune()
         codec = self.codec
@@ -353,9 +352,8 @@ class TokenPath:
         needed = int(need.sum())
         self._tail_open = False
         self.steps += 1
-        self.recorder.call(False, self.steps - 1, self.seq if needed else -1,
-                           self.ring.advanced, view.num_reqs, needed)
         if needed == 0:
+            self.recorder.call(False, self.steps - 1, self.ring.advanced, view.num_reqs)
             return 0
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
         frame = FrameView(self.seq, view.num_reqs,

@@ -38,6 +38,8 @@ FIELDS = ("kind", "step", "seq", "ring_slot", "num_reqs", "rows_needed", "kept",
 recorder's error names, 0 for none)."""
 _EVENT = struct.Struct(f"<{len(FIELDS)}q")
 EVENT_BYTES = _EVENT.size
+_pack = _EVENT.pack_into
+_mono = time.monotonic_ns
 K_POST, K_PUBLISH, K_ISSUE, K_COMPLETE, K_CONSUME, K_FREE, K_ERROR = range(len(EVENT_KINDS))
 _TABLE = 2048  # in-flight table entries (far above any ring depth + pending sends)
 _MAX_ERRORS = 64  # distinct errors kept by name; later ones reuse the last name
@@ -67,8 +69,6 @@ class FlightRecorder:
         self.op = "send" if is_last else "recv"
         self.depth = 0 if is_last else depth  # ring depth D; the last rank has no ring
         self._buf = bytearray(capacity * EVENT_BYTES)  # [capacity * len(FIELDS)] int64
-        self._pack = _EVENT.pack_into
-        self._mono = time.monotonic_ns
         self._n = 0  # events recorded so far
         # in-flight transfers by seq % _TABLE
         self._works: list[dist.Work | None] = [None] * _TABLE
@@ -80,41 +80,37 @@ class FlightRecorder:
         self.last_error: BaseException | None = None
         """The last error recorded (the footer's error)."""
 
-    # -- recording (hot path: one pack_into each) -----------------------------
+    # -- recording (hot path: one pack_into each, no call in between) ---------
 
-    def _put(self, kind: int, step: int, seq: int, slot: int, num_reqs: int, rows: int,
-             kept: int, excluded: int, req_idx: int, generation: int, digest: int,
-             checksum: int, flags: int, blocked_ns: int, error: int) -> None:
-        n = self._n
-        self._pack(self._buf, (n % self.capacity) * EVENT_BYTES, kind, step, seq, slot,
-                   num_reqs, rows, kept, excluded, req_idx, generation, digest, checksum,
-                   flags, self._mono(), blocked_ns, error)
+    def call(self, last: bool, step: int, advanced: int, num_reqs: int) -> None:
+        """A post (``last`` False) or publish call for step ``step`` that has
+        no transfer (no row needs a sample); ``advanced``: the ring's advance
+        count (its tail is the step's ring slot). A call with a transfer is
+        recorded by :meth:`issue` alone."""
+        if not self.on:
+            return
+        n, d = self._n, self.depth
+        _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_PUBLISH if last else K_POST,
+              step, -1, (advanced - 1) % d if d else -1, num_reqs, 0, 0, 0, -1, -1, 0, 0, 0,
+              _mono(), 0, 0)
         self._n = n + 1
-
-    def call(self, last: bool, step: int, seq: int, advanced: int, num_reqs: int,
-             rows: int) -> None:
-        """A post (``last`` False) or publish call for step ``step``; ``seq``
-        is its frame's, -1 when the step has no transfer; ``advanced``: the
-        ring's advance count (its tail is the step's ring slot)."""
-        if self.on:
-            self._put(K_PUBLISH if last else K_POST, step, seq, self._slot(advanced), num_reqs,
-                      rows, 0, 0, -1, -1, 0, 0, 0, 0, 0)
-
-    def _slot(self, advanced: int) -> int:
-        return -1 if self.depth == 0 else (advanced - 1) % self.depth
 
     def issue(self, work: dist.Work, step: int, seq: int, advanced: int, num_reqs: int,
               rows: int, digest: int, checksum: int, flags: int) -> None:
-        """Frame ``seq``'s collective was issued as ``work``."""
+        """Step ``step``'s post or publish issued frame ``seq`` as ``work``
+        (``rows`` of ``num_reqs`` need a sample)."""
         if not self.on:
             return
-        i = seq % _TABLE
+        i, n, d = seq % _TABLE, self._n, self.depth
+        now = _mono()
         self._works[i] = work
-        self._issued_ns[i] = self._mono()
+        self._issued_ns[i] = now
         self._rows[i] = rows
         self._next = seq + 1
-        self._put(K_ISSUE, step, seq, self._slot(advanced), num_reqs, rows, 0, 0, -1, -1,
-                  digest, checksum, flags, 0, 0)
+        _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_ISSUE, step, seq,
+              (advanced - 1) % d if d else -1, num_reqs, rows, 0, 0, -1, -1, digest, checksum,
+              flags, now, 0, 0)
+        self._n = n + 1
 
     def consume(self, frame: FrameView, step: int, advanced: int, kept: int,
                 wait_from_ns: int) -> None:
@@ -124,16 +120,18 @@ class FlightRecorder:
         stays in flight until a :meth:`complete`."""
         if not self.on:
             return
-        works, i = self._works, frame.seq % _TABLE
-        rows = self._rows[i]
+        works, seq, n = self._works, frame.seq, self._n
+        now = _mono()
         blocked = 0
         if kept:
-            blocked = self._mono() - wait_from_ns
-            works[i] = None
+            blocked = now - wait_from_ns
+            works[seq % _TABLE] = None
             while self._oldest < self._next and works[self._oldest % _TABLE] is None:
                 self._oldest += 1
-        self._put(K_CONSUME, step, frame.seq, self._slot(advanced), frame.num_reqs, rows, kept,
-                  frame.num_reqs - kept, -1, -1, frame.idx_digest, 0, 0, blocked, 0)
+        _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_CONSUME, step, seq,
+              (advanced - 1) % self.depth, frame.num_reqs, self._rows[seq % _TABLE], kept,
+              frame.num_reqs - kept, -1, -1, frame.idx_digest, 0, 0, now, blocked, 0)
+        self._n = n + 1
 
     def complete(self, work: dist.Work, step: int) -> None:
         """``work`` was seen complete (a send, a dropped receive)."""
@@ -148,8 +146,19 @@ class FlightRecorder:
         works[seq % _TABLE] = None
         while self._oldest < self._next and works[self._oldest % _TABLE] is None:
             self._oldest += 1
-        self._put(K_COMPLETE, step, seq, -1, 0, self._rows[seq % _TABLE], 0, 0, -1, -1, 0, 0,
-                  0, 0, 0)
+        n = self._n
+        _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_COMPLETE, step, seq, -1, 0,
+              self._rows[seq % _TABLE], 0, 0, -1, -1, 0, 0, 0, _mono(), 0, 0)
+        self._n = n + 1
+
+    def free(self, step: int, req_idx: int, generation: int) -> None:
+        """Request slot ``req_idx`` was freed; its generation is now ``generation``."""
+        if not self.on:
+            return
+        n = self._n
+        _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_FREE, step, -1, -1, 0, 0, 0, 0,
+              req_idx, generation, 0, 0, 0, _mono(), 0, 0)
+        self._n = n + 1
 
     def drained(self, step: int) -> None:
         """Every transfer in flight completed (a draining close)."""
@@ -157,11 +166,6 @@ class FlightRecorder:
             work = self._works[seq % _TABLE]
             assert work is not None
             self.complete(work, step)
-
-    def free(self, step: int, req_idx: int, generation: int) -> None:
-        """Request slot ``req_idx`` was freed; its generation is now ``generation``."""
-        if self.on:
-            self._put(K_FREE, step, -1, -1, 0, 0, 0, 0, req_idx, generation, 0, 0, 0, 0, 0)
 
     def error(self, step: int, err: BaseException) -> None:
         """``err`` is leaving the token path; its seq is the oldest transfer
@@ -177,8 +181,10 @@ class FlightRecorder:
             self._errors.append(name)
         code = self._errors.index(name) + 1 if name in self._errors else len(self._errors)
         pending = self.in_flight_seqs()
-        self._put(K_ERROR, step, pending[0] if pending else -1, -1, 0, 0, 0, 0, -1, -1, 0, 0,
-                  0, 0, code)
+        n = self._n
+        _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_ERROR, step,
+              pending[0] if pending else -1, -1, 0, 0, 0, 0, -1, -1, 0, 0, 0, _mono(), 0, code)
+        self._n = n + 1
 
     # -- reading (dumps) ------------------------------------------------------
 
