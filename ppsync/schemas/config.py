@@ -29,7 +29,8 @@ class SyncConfig(BaseModel):
     """What every rank of one PP group must agree on."""
 
     # strict: no bool-as-int, no numeric strings; every rank must mean the same
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
+                              use_attribute_docstrings=True)
 
     pp_size: int = Field(ge=1, le=1024)
     """Number of ranks in the PP group (P)."""

@@ -34,7 +34,7 @@ class ClockPair(BaseModel):
     """Both clocks, read back to back (the wall clock between two monotonic
     reads, the pair kept from the closest of a few tries)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     wall_ns: int
     """time.time_ns(): wall-clock ns since the epoch."""
@@ -45,7 +45,7 @@ class ClockPair(BaseModel):
 class DumpHeader(BaseModel):
     """First line of a dump: who wrote it, with what configuration."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: Literal["header"] = "header"
     """Line type."""
@@ -86,7 +86,7 @@ class DumpEvent(BaseModel):
     """One recorded operation. Fields that do not apply to a kind hold -1
     (seq, ring_slot, req_idx, generation) or 0."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: Literal["event"] = "event"
     """Line type."""
@@ -135,7 +135,7 @@ class DumpEvent(BaseModel):
 class InFlight(BaseModel):
     """A transfer issued and not seen complete by the token path."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     seq: int = Field(ge=0)
     """Frame sequence number."""
@@ -153,7 +153,7 @@ class InFlight(BaseModel):
 class DumpFooter(BaseModel):
     """Last line of a dump: the error, if any, and what was in flight."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: Literal["footer"] = "footer"
     """Line type."""
