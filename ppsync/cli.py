@@ -124,9 +124,12 @@ def _launch(args: argparse.Namespace) -> int:
         report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
                            jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
                            dump_dir=dump_dir)
-    except PPSyncError:
-        _point_at_dumps(dump_dir)
+    except ConfigError:
         raise
+    except PPSyncError as e:  # the dumps' pointers are the last lines
+        print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
+        _point_at_dumps(dump_dir)
+        return 1
     print(format_table(report))
     if args.report is not None:
         args.report.write_text(report.model_dump_json(indent=2) + "\n")
