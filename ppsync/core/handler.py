@@ -414,7 +414,7 @@ class TokenPath:
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.
             self._inflight.append((head.buf, head.work))
-            self.recorder.consume(head.frame, self.steps, self.ring.advanced, 0, 0)
+            self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0)
             return None
         wait_from_ns = time.monotonic_ns()
         self._wait(head.work, f"receive of frame {head.frame.seq}")
@@ -423,8 +423,7 @@ class TokenPath:
         except DesyncError as e:
             raise self.failed(e) from None
         self.codec.recycle(head.buf)  # everything released was copied out
-        self.recorder.consume(head.frame, self.steps, self.ring.advanced,
-                              int(np.count_nonzero(keep)), wait_from_ns)
+        self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, wait_from_ns)
         return released
 
     def _release(

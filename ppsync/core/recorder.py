@@ -112,18 +112,20 @@ class FlightRecorder:
               flags, now, 0, 0)
         self._n = n + 1
 
-    def consume(self, frame: FrameView, step: int, advanced: int, kept: int,
+    def consume(self, frame: FrameView, step: int, advanced: int, keep_np: np.ndarray | None,
                 wait_from_ns: int) -> None:
-        """``frame``'s step was released with ``kept`` rows (the others of
-        its num_reqs excluded); the wait began at ``wait_from_ns``
-        (monotonic). ``kept`` 0: nothing was waited for and the receive
-        stays in flight until a :meth:`complete`."""
+        """``frame``'s step was released; ``keep_np`` ([num_reqs] bool) marks
+        the rows handed out (the others were excluded); the wait began at
+        ``wait_from_ns`` (monotonic). None: every row was excluded, nothing
+        was waited for, and the receive stays in flight until a
+        :meth:`complete`."""
         if not self.on:
             return
         works, seq, n = self._works, frame.seq, self._n
         now = _mono()
-        blocked = 0
-        if kept:
+        blocked = kept = 0
+        if keep_np is not None:
+            kept = int(np.count_nonzero(keep_np))
             blocked = now - wait_from_ns
             works[seq % _TABLE] = None
             while self._oldest < self._next and works[self._oldest % _TABLE] is None:

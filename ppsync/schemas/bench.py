@@ -144,6 +144,16 @@ class CpuStats(BaseModel):
     receiver_micro_p50_us: float
     """Single process, no collective: post-side checks + FrameCodec.check +
     the release arrays at these rows."""
+    recorder_last_us: float = 0.0
+    """Single process: the flight recorder's calls per last-rank step
+    (issue + complete), recorder on (SyncConfig's default flight_events)."""
+    recorder_last_off_us: float = 0.0
+    """The same calls with the recorder off (flight_events = 0)."""
+    recorder_receiver_us: float = 0.0
+    """Single process: the flight recorder's calls per receiver step
+    (consume + issue), recorder on."""
+    recorder_receiver_off_us: float = 0.0
+    """The same calls with the recorder off."""
 
 
 class Target(BaseModel):
