@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from ppsync.core.recorder import FlightRecorder, clock_pair
+from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_FORMAT_VERSION, DumpFooter, DumpHeader, DumpReason
 
@@ -85,6 +86,17 @@ def file_name(path: Dumpable) -> str:
         if p is path:
             return name
     return f"ppsync-rank{path.global_rank}.jsonl"
+
+
+def dump_file(path: Dumpable, file: str | Path | None) -> Path:
+    """``file``, or ``path``'s file in the dump directory when None."""
+    if file is not None:
+        return Path(file)
+    directory = dump_dir()
+    if directory is None:
+        raise ConfigError(f"dump(): no file given and no dump directory set "
+                          f"(install_dump_triggers or ${DUMP_DIR_ENV})")
+    return directory / file_name(path)
 
 
 def _version() -> str:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
-from ppsync.core.dumps import dump_on_error, register, write_dump
+from ppsync.core.dumps import dump_file, dump_on_error, register, write_dump
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import check_peers_agree
@@ -475,10 +475,11 @@ class TokenPath:
     def closed(self) -> bool:
         return self._closed
 
-    def dump(self, path: str | Path) -> Path:
-        """Write this path's flight record to ``path`` as JSON Lines
-        (ppsync.schemas.dump; see ppsync.core.dumps); returns the path."""
-        return write_dump(self, Path(path), reason="request")
+    def dump(self, path: str | Path | None = None) -> Path:
+        """Write this path's flight record as JSON Lines (ppsync.schemas.dump)
+        to ``path``, or with None to its file in the dump directory (see
+        ppsync.core.dumps; ConfigError when none is set). Returns the file."""
+        return write_dump(self, dump_file(self, path), reason="request")
 
 
 def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> None:
