@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -36,10 +37,12 @@ from ppsync.core.batch import BatchView
 from ppsync.core.dumps import DUMP_DIR_ENV
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
+from ppsync.core.liveness import FailureBoard
 from ppsync.debug.load import validate_file, validators
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.services.runtime import open_rank
 
 PP_SIZE = 3
 TIMEOUT_S = 3.0
@@ -106,16 +109,39 @@ def _loop(case: Case, path: TokenPath, env: RankEnv, out: Path) -> None:
     path.close()
 
 
-def _rank(case: Case, out: Path, env: RankEnv) -> None:
+async def _async_kill_loop(group: dist.ProcessGroup, board: FailureBoard, env: RankEnv,
+                           out: Path) -> None:
+    """The kill case through the anyio services (open_rank)."""
+    async with open_rank(CONFIG, group, board=board) as rank:
+        for t in range(FAULT_STEPS):
+            if env.rank == VICTIM and t == AT:
+                write_json(out / "victim.json", {"pid": os.getpid(), "at": time.monotonic()})
+                os.kill(os.getpid(), signal.SIGKILL)
+            if not rank.is_last:
+                await rank.take()
+            if rank.is_last:
+                await rank.publish(_view(t), *_outputs(t, ROWS))
+            else:
+                await rank.post(_view(t))
+
+
+def _rank(case: Case, out: Path, env: RankEnv, backend: str | None = None) -> None:
     watchdog(TIMEOUT_S + 12)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-    path = TokenPath(CONFIG, group, board=env.failure_board(group))
+    board = env.failure_board(group)
     error: PPSyncError | None = None
-    try:
-        _loop(case, path, env, out)
-    except PPSyncError as e:
-        error = e
-        path.close(drain=False)
+    if backend is not None:
+        try:
+            anyio.run(_async_kill_loop, group, board, env, out, backend=backend)
+        except PPSyncError as e:
+            error = e
+    else:
+        path = TokenPath(CONFIG, group, board=board)
+        try:
+            _loop(case, path, env, out)
+        except PPSyncError as e:
+            error = e
+            path.close(drain=False)
     write_json(out / f"rank{env.rank}.json", {
         "error": "" if error is None else type(error).__name__, "message": str(error or ""),
         "at": time.monotonic(),
@@ -135,10 +161,11 @@ def _kill_stopped_victim(out: Path) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _run(case: Case, tmp_path: Path) -> Path:
-    """Run the case; return the dump directory."""
+def _run(case: Case, tmp_path: Path, backend: str | None = None) -> Path:
+    """Run the case (through the services on ``backend``: kill only);
+    return the dump directory."""
     dumps = tmp_path / "dumps"
-    target = functools.partial(_rank, case, tmp_path)
+    target = functools.partial(_rank, case, tmp_path, backend=backend)
     env = {DUMP_DIR_ENV: str(dumps)}
     if case in ("kill", "stop"):
         with pytest.raises(RankFailed) as info:
@@ -201,11 +228,13 @@ def _survivors_dumped_in_time(tmp_path: Path, fault_at: float) -> dict[int, dict
     return seen
 
 
-@pytest.mark.parametrize("case", ["kill", "stop"])
+@pytest.mark.parametrize(("case", "backend"),
+                         [("kill", None), ("stop", None), ("kill", "asyncio")],
+                         ids=["kill", "stop", "kill-asyncio"])
 def test_lost_or_silent_middle_rank_is_named(
-    case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    case: Case, backend: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    dumps = _run(case, tmp_path)
+    dumps = _run(case, tmp_path, backend)
     fault_at = json.loads((tmp_path / "victim.json").read_text())["at"]
     outcomes = _survivors_dumped_in_time(tmp_path, fault_at)
     files = _check_dumps(dumps, [0, 2])
