@@ -196,7 +196,10 @@ def install_dump_triggers(directory: Path | str | None, *, signum: int = signal.
         _dump_dir = Path(directory)
     dumps = dump_dir() is not None
     if dumps:
-        signal.signal(signum, _on_signal)
+        try:
+            signal.signal(signum, _on_signal)
+        except ValueError:  # not the main thread: no signal dumps, the rest still holds
+            dumps = False
         atexit.register(dump_all, "exit")
     if stacks:
         # faulthandler prints at once (even while the main thread is blocked in

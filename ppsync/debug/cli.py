@@ -6,6 +6,8 @@
   culprit (ppsync.debug.show).
 - ``ppsync dump trace FILE... -o trace.json``: a Chrome/Perfetto timeline.
 - ``ppsync schema export DIR``: write the JSON Schemas (ppsync.schemas.export).
+
+A directory given as FILE stands for the ``ppsync-rank*.jsonl`` dumps in it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,22 @@ from ppsync.debug.trace import trace
 from ppsync.schemas.export import export
 
 
+def _expand(files: list[Path]) -> list[Path]:
+    """FILE arguments; a directory stands for the dumps in it."""
+    out: list[Path] = []
+    for f in files:
+        out += sorted(f.glob("ppsync-rank*.jsonl")) if f.is_dir() else [f]
+    return out
+
+
 def _validate(args: argparse.Namespace) -> int:
     checks = validators(args.schemas)
     bad = 0
-    for f in args.files:
+    files = _expand(args.files)
+    if not files:
+        print("ppsync: no dump file given", file=sys.stderr)
+        return 1
+    for f in files:
         problems = validate_file(f, checks)
         for p in problems:
             print(p, file=sys.stderr)
@@ -37,7 +51,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _load_all(files: list[Path]) -> list[Any]:
     dumps = []
-    for f in files:
+    for f in _expand(files):
         try:
             dumps.append(load(f))
         except (OSError, ValueError) as e:
