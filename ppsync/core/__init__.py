@@ -1,19 +1,24 @@
 """Synchronous core (torch + numpy): need-sampled mask, generation table,
-slot ring, frame codec, process groups, and the handler that combines them."""
+slot ring, frame codec, process groups, flight recorder and its dumps, and
+the handler that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
+from ppsync.core.dumps import DUMP_DIR_ENV, dump_all, install_dump_triggers
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
 from ppsync.core.handler import PendingStep, PreparedStep, TokenPath
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 
 __all__ = [
+    "DUMP_DIR_ENV",
     "AuxRelay",
     "BatchView",
+    "FlightRecorder",
     "FrameCodec",
     "FrameView",
     "GenerationTable",
@@ -23,6 +28,8 @@ __all__ = [
     "SlotRing",
     "TokenPath",
     "batch_view_of",
+    "dump_all",
+    "install_dump_triggers",
     "need_sampled_mask",
     "pipeline_layout",
     "token_group",

@@ -17,7 +17,8 @@ rank raises there and leaves the group usable. Every wait is bounded by
 
 This file holds only what needs the path's state (ring, in-flight works,
 sequence numbers, the failure board); each rule it applies lives in its own
-module (mask, ring, generations, frame, checks, transport, liveness).
+module (mask, ring, generations, frame, checks, transport, liveness,
+recorder).
 """
 
 from __future__ import annotations
