@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
+    la.add_argument("--flight-events", type=_non_negative, default=4096, metavar="N",
+                    help="events each rank's flight recorder keeps (default 4096; 0 = off)")
     la.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
                     help="ranks dump their flight records here on an error, on SIGUSR1 and "
                     f"at exit (default ${DUMP_DIR_ENV}; unset: no dumps)")
@@ -115,6 +117,7 @@ def _launch(args: argparse.Namespace) -> int:
         ring_depth=args.ring_depth,
         timeout_s=args.timeout,
         wire=args.wire,
+        flight_events=args.flight_events,
     )
     if args.jitter_us < 0:
         raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")

@@ -122,8 +122,9 @@ def _start_store_host(ctx: Any, timeout_s: float) -> tuple[mp.process.BaseProces
 
 
 def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
-    """Ask stuck ranks to print their threads' stacks (to their stderr)
-    before they are killed, so a hang leaves a trace."""
+    """Ask stuck ranks to print their threads' stacks (to their stderr) and,
+    with a dump directory, to dump their flight records, before they are
+    killed, so a hang leaves a trace."""
     for p in procs:
         if p.pid is not None and p.is_alive():
             with contextlib.suppress(ProcessLookupError):

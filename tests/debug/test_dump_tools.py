@@ -128,3 +128,21 @@ def test_a_failed_launch_points_at_the_dumps(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-2] == f"ppsync: flight records: {tmp_path}/ppsync-rank0.jsonl", err
     assert err[-1] == f"ppsync: diagnose with: ppsync dump show {tmp_path}/ppsync-rank*.jsonl"
+
+
+def test_recorder_off_dumps_header_and_footer_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["launch", "--pp-size", "2", "--steps", "20", "--max-num-reqs", "4", "--timeout", "5",
+            "--flight-events", "0", "--dump-dir", str(tmp_path)]
+    assert main(argv) == 0
+    files = sorted(tmp_path.glob("ppsync-rank*.jsonl"))
+    assert len(files) == 2
+    for f in files:
+        lines = [json.loads(t) for t in f.read_text().splitlines()]
+        assert [d["type"] for d in lines] == ["header", "footer"]
+        assert lines[0]["capacity"] == lines[0]["recorded"] == 0
+    assert main(["dump", "validate", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["dump", "show", "--json", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "ok"
