@@ -40,6 +40,7 @@ _EVENT = struct.Struct(f"<{len(FIELDS)}q")
 EVENT_BYTES = _EVENT.size
 _pack = _EVENT.pack_into
 _mono = time.monotonic_ns
+_count = np.count_nonzero
 K_POST, K_PUBLISH, K_ISSUE, K_COMPLETE, K_CONSUME, K_FREE, K_ERROR = range(len(EVENT_KINDS))
 _TABLE = 2048  # in-flight table entries (far above any ring depth + pending sends)
 _MAX_ERRORS = 64  # distinct errors kept by name; later ones reuse the last name
@@ -121,36 +122,46 @@ class FlightRecorder:
         :meth:`complete`."""
         if not self.on:
             return
-        works, seq, n = self._works, frame.seq, self._n
+        seq, n = frame.seq, self._n
+        i = seq % _TABLE
         now = _mono()
         blocked = kept = 0
         if keep_np is not None:
-            kept = int(np.count_nonzero(keep_np))
+            kept = int(_count(keep_np))
             blocked = now - wait_from_ns
-            works[seq % _TABLE] = None
-            while self._oldest < self._next and works[self._oldest % _TABLE] is None:
-                self._oldest += 1
+            works = self._works
+            works[i] = None
+            if seq == self._oldest:  # receives are released in order: usually so
+                o, nxt = seq + 1, self._next
+                while o < nxt and works[o % _TABLE] is None:
+                    o += 1
+                self._oldest = o
+        num_reqs = frame.num_reqs
         _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_CONSUME, step, seq,
-              (advanced - 1) % self.depth, frame.num_reqs, self._rows[seq % _TABLE], kept,
-              frame.num_reqs - kept, -1, -1, frame.idx_digest, 0, 0, now, blocked, 0)
+              (advanced - 1) % self.depth, num_reqs, self._rows[i], kept, num_reqs - kept,
+              -1, -1, frame.idx_digest, 0, 0, now, blocked, 0)
         self._n = n + 1
 
     def complete(self, work: dist.Work, step: int) -> None:
         """``work`` was seen complete (a send, a dropped receive)."""
         if not self.on:
             return
-        works = self._works
-        seq = max(self._oldest, self._next - _TABLE)
-        while seq < self._next and works[seq % _TABLE] is not work:
+        works, nxt = self._works, self._next
+        seq = o = max(self._oldest, nxt - _TABLE)
+        while seq < nxt and works[seq % _TABLE] is not work:
             seq += 1
-        if seq == self._next:
+        if seq == nxt:
             return  # not in the table (issued before it wrapped)
-        works[seq % _TABLE] = None
-        while self._oldest < self._next and works[self._oldest % _TABLE] is None:
-            self._oldest += 1
+        i = seq % _TABLE
+        works[i] = None
+        if seq == o:  # sends complete in order: usually so
+            o += 1
+            while o < nxt and works[o % _TABLE] is None:
+                o += 1
+            self._oldest = o
         n = self._n
         _pack(self._buf, (n % self.capacity) * EVENT_BYTES, K_COMPLETE, step, seq, -1, 0,
-              self._rows[seq % _TABLE], 0, 0, -1, -1, 0, 0, 0, _mono(), 0, 0)
+              self._rows[i], 0, 0, -1, -1, 0, 0, 0, _mono(), 0, 0)
         self._n = n + 1
 
     def free(self, step: int, req_idx: int, generation: int) -> None:

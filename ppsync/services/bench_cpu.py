@@ -114,7 +114,7 @@ def recorder_cpu(opts: BenchOptions, *, iters: int = 20000, block: int = 50) -> 
     on = opts.sync_config(ring_depth=depth).flight_events
     works = [dist.Work() for _ in range(2 * depth + 2)]
     keep = np.ones(opts.rows, dtype=bool)
-    frames = [FrameView(s, opts.rows, s * 7919) for s in range(len(works))]
+    frames = [FrameView(s, opts.rows, s * 7919) for s in range(iters)]  # one per seq
     samples: dict[str, list[int]] = {"last_on": [], "last_off": [], "receiver_on": [],
                                      "receiver_off": []}
     recs = {(last, cap): FlightRecorder(cap, is_last=last, depth=depth)
@@ -134,8 +134,7 @@ def recorder_cpu(opts: BenchOptions, *, iters: int = 20000, block: int = 50) -> 
                             rec.complete(works[(s - depth) % len(works)], s)
                     else:
                         if s >= depth:
-                            rec.consume(frames[(s - depth) % len(frames)], s, s, keep,
-                                        time.monotonic_ns())
+                            rec.consume(frames[s - depth], s, s, keep, time.monotonic_ns())
                         rec.issue(w, s, s, s, opts.rows, opts.rows, 12345, 0, 0)
                 t1 = cpu_now()
                 seq[last, cap] = s0 + block
