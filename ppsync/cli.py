@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ppsync.core.dumps import DUMP_DIR_ENV
-from ppsync.debug.cli import add_debug_commands
+from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.services.run import format_table, run_local
 
 
@@ -131,26 +131,14 @@ def _launch(args: argparse.Namespace) -> int:
         raise
     except PPSyncError as e:  # the dumps' pointers are the last lines
         print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
-        _point_at_dumps(dump_dir)
+        point_at_dumps(dump_dir)
         return 1
     print(format_table(report))
     if args.report is not None:
         args.report.write_text(report.model_dump_json(indent=2) + "\n")
     if not report.ok:
-        _point_at_dumps(dump_dir)
+        point_at_dumps(dump_dir)
     return 0 if report.ok else 1
-
-
-def _point_at_dumps(dump_dir: Path | None) -> None:
-    """The last lines of a failed run: where the flight records are."""
-    if dump_dir is None:
-        print(f"ppsync: no flight records kept: rerun with --dump-dir DIR (or ${DUMP_DIR_ENV})",
-              file=sys.stderr)
-        return
-    files = " ".join(str(f) for f in sorted(dump_dir.glob("ppsync-rank*.jsonl")))
-    print(f"ppsync: flight records: {files or f'none written in {dump_dir}'}", file=sys.stderr)
-    print(f"ppsync: diagnose with: ppsync dump show {dump_dir}/ppsync-rank*.jsonl",
-          file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

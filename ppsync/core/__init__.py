@@ -4,7 +4,7 @@ the handler that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
-from ppsync.core.dumps import DUMP_DIR_ENV, dump_all, install_dump_triggers
+from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
@@ -15,7 +15,6 @@ from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 
 __all__ = [
-    "DUMP_DIR_ENV",
     "AuxRelay",
     "BatchView",
     "FlightRecorder",

@@ -35,9 +35,14 @@ import torch
 from ppsync.core.recorder import FlightRecorder, clock_pair
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.dump import DUMP_FORMAT_VERSION, DumpFooter, DumpHeader, DumpReason
+from ppsync.schemas.dump import (
+    DUMP_DIR_ENV,
+    DUMP_FORMAT_VERSION,
+    DumpFooter,
+    DumpHeader,
+    DumpReason,
+)
 
-DUMP_DIR_ENV = "PPSYNC_DUMP_DIR"
 _KEEP = 8  # token paths of this process whose recorders the triggers dump
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from ppsync.debug.load import load, validate_file, validators
 from ppsync.debug.show import analyse, format_report, group_dumps
 from ppsync.debug.trace import trace
+from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.export import export
 
 
@@ -89,6 +90,19 @@ def _export(args: argparse.Namespace) -> int:
     for path in export(args.directory):
         print(path)
     return 0
+
+
+def point_at_dumps(dump_dir: Path | None) -> None:
+    """The last lines of a failed run (``ppsync launch``, ``ppsync run``), on
+    stderr: where the flight records are and the command that reads them."""
+    if dump_dir is None:
+        print(f"ppsync: no flight records kept: rerun with --dump-dir DIR (or ${DUMP_DIR_ENV})",
+              file=sys.stderr)
+        return
+    files = " ".join(str(f) for f in sorted(dump_dir.glob("ppsync-rank*.jsonl")))
+    print(f"ppsync: flight records: {files or f'none written in {dump_dir}'}", file=sys.stderr)
+    print(f"ppsync: diagnose with: ppsync dump show {dump_dir}/ppsync-rank*.jsonl",
+          file=sys.stderr)
 
 
 def add_debug_commands(sub: Any) -> None:

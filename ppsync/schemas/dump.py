@@ -21,6 +21,9 @@ from ppsync.schemas.config import SyncConfig
 
 DUMP_FORMAT_VERSION = 1
 
+DUMP_DIR_ENV = "PPSYNC_DUMP_DIR"
+"""Environment variable naming the directory automatic dumps go to."""
+
 EventKind = Literal["post", "publish", "issue", "complete", "consume", "free", "error"]
 EVENT_KINDS: tuple[EventKind, ...] = (
     "post", "publish", "issue", "complete", "consume", "free", "error",

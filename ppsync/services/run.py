@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ppsync.core.dumps import DUMP_DIR_ENV
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.report import RankReport, RunReport
 from ppsync.services.driver import (
     Backend,

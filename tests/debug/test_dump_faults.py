@@ -34,13 +34,13 @@ import torch.distributed as dist
 
 from ppsync.cli import main
 from ppsync.core.batch import BatchView
-from ppsync.core.dumps import DUMP_DIR_ENV
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.debug.load import validate_file, validators
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.services.launcher import RankEnv, spawn_ranks
 from ppsync.services.runtime import open_rank
 
