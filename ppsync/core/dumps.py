@@ -66,6 +66,7 @@ class Dumpable(Protocol):
 _paths: deque[tuple[Dumpable, str]] = deque(maxlen=_KEEP)
 _opened = 0  # token paths registered in this process
 _dump_dir: Path | None = None  # set by install_dump_triggers
+_writing = False  # a dump is being written (a signal then does not start another)
 
 
 def dump_dir() -> Path | None:
@@ -114,6 +115,15 @@ def _version() -> str:
 def write_dump(path: Dumpable, file: Path, *, reason: DumpReason,
                error: BaseException | None = None) -> Path:
     """Write ``path``'s dump to ``file`` (atomically); return ``file``."""
+    global _writing
+    _writing = True
+    try:
+        return _write(path, file, reason, error)
+    finally:
+        _writing = False
+
+
+def _write(path: Dumpable, file: Path, reason: DumpReason, error: BaseException | None) -> Path:
     rec = path.recorder
     clock = clock_pair()
     events = list(rec.event_dicts(clock))
@@ -182,6 +192,8 @@ def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if _writing:  # the signal landed inside a dump: that dump is already on its way
+        return
     paths = dump_all("signal")
     if paths:
         print(f"ppsync: flight record dumped to {', '.join(map(str, paths))}",

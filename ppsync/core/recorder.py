@@ -13,9 +13,10 @@ and not yet seen complete, indexed by ``seq`` (at most ``_TABLE`` frames can
 be in flight: the ring depth D plus a few): a dump lists them as what the
 rank was waiting on, and an error event names the oldest as its seq.
 
-The recorder is written by one thread (the token path's caller). A dump
-taken from a signal handler in that thread may see the event being written
-when the signal arrived half-written; every other event is whole.
+The recorder is written by one thread (the token path's caller). An event
+is one C call, so a dump taken from a signal handler in that thread never
+sees one torn: at worst the event being recorded when the signal arrived is
+not in that dump yet.
 """
 
 from __future__ import annotations
