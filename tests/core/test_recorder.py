@@ -5,15 +5,17 @@ and an error event names the oldest transfer in flight."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 
+from ppsync.core.dumps import dump_file
 from ppsync.core.frame import FrameView
 from ppsync.core.recorder import FIELDS, FlightRecorder, clock_pair
-from ppsync.errors import PeerLost, SyncTimeout
-from ppsync.schemas.dump import DumpEvent
+from ppsync.errors import ConfigError, PeerLost, SyncTimeout
+from ppsync.schemas.dump import DUMP_DIR_ENV, DumpEvent
 
 
 def test_ring_keeps_the_newest_events_oldest_first() -> None:
@@ -89,3 +91,21 @@ def test_small_rings_wrap_without_error(capacity: int) -> None:
             rec.complete(works[(s - 2) % 3], s)
     assert rec.events().shape[0] == capacity
     assert rec.in_flight_seqs() == [28, 29]
+
+
+class _Path:
+    """The least a dump needs to name its file."""
+
+    global_rank = 5
+
+
+def test_dump_without_file_or_directory_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
+    with pytest.raises(ConfigError, match=rf"no file given and no dump directory set .*"
+                       rf"\${DUMP_DIR_ENV}"):
+        dump_file(_Path(), None)  # type: ignore[arg-type]
+    monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
+    assert dump_file(_Path(), None) == tmp_path / "ppsync-rank5.jsonl"  # type: ignore[arg-type]
+    assert dump_file(_Path(), "x.jsonl") == Path("x.jsonl")  # type: ignore[arg-type]

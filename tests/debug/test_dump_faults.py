@@ -117,6 +117,8 @@ async def _async_kill_loop(group: dist.ProcessGroup, board: FailureBoard, env: R
             if env.rank == VICTIM and t == AT:
                 write_json(out / "victim.json", {"pid": os.getpid(), "at": time.monotonic()})
                 os.kill(os.getpid(), signal.SIGKILL)
+            if env.rank == 0 and t == AT // 2:
+                rank.dump(out / "asked-rank0.jsonl")  # on request, mid-run
             if not rank.is_last:
                 await rank.take()
             if rank.is_last:
@@ -235,6 +237,10 @@ def test_lost_or_silent_middle_rank_is_named(
     case: Case, backend: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dumps = _run(case, tmp_path, backend)
+    if backend is not None:
+        asked = tmp_path / "asked-rank0.jsonl"
+        assert validate_file(asked, validators()) == []
+        assert json.loads(asked.read_text().splitlines()[0])["reason"] == "request"
     fault_at = json.loads((tmp_path / "victim.json").read_text())["at"]
     outcomes = _survivors_dumped_in_time(tmp_path, fault_at)
     files = _check_dumps(dumps, [0, 2])
