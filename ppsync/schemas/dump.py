@@ -120,11 +120,15 @@ class DumpEvent(BaseModel):
     generation: int = Field(ge=-1)
     """free: the slot's new generation."""
     idx_digest: int
-    """issue / consume: digest of idx_mapping and num_computed_tokens."""
+    """issue / consume: this rank's digest of the step's idx_mapping and
+    num_computed_tokens (what the frame header must match)."""
     checksum: int
-    """issue (last rank) / consume: the frame's payload checksum."""
+    """issue on the last rank: the frame's payload checksum (receivers check
+    it at consume; a mismatch is a DesyncError, recorded as an error); 0
+    elsewhere."""
     flags: int = Field(ge=0)
-    """Frame flags (FLAG_HAS_DRAFTS, FLAG_EXACT)."""
+    """issue on the last rank: the frame's flags (FLAG_HAS_DRAFTS,
+    FLAG_EXACT); 0 elsewhere."""
     mono_ns: int
     """Monotonic clock when the event was recorded."""
     wall_ns: int
