@@ -6,7 +6,8 @@ checked, bounded in time, without blocking the engine's event loop.
 
 Layers, bottom-up: ``ppsync.errors`` and ``ppsync.schemas`` (pydantic, no
 torch) -> ``ppsync.core`` (torch + numpy, synchronous) -> ``ppsync.compat``
-and ``ppsync.services`` (anyio) -> ``ppsync.cli``.
+and ``ppsync.services`` (anyio) -> ``ppsync.debug`` (reading flight-recorder
+dumps) -> ``ppsync.cli``.
 """
 
 from ppsync.compat import PPHandler

@@ -9,12 +9,15 @@ duplicated or corrupt (or a rank failed), 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.services.run import format_table, run_local
 
 
@@ -52,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
+    la.add_argument("--flight-events", type=_non_negative, default=4096, metavar="N",
+                    help="events each rank's flight recorder keeps (default 4096; 0 = off)")
+    la.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
+                    help="ranks dump their flight records here on an error, on SIGUSR1 and "
+                    f"at exit (default ${DUMP_DIR_ENV}; unset: no dumps)")
     be = sub.add_parser("bench", help="time the token path against raw broadcasts and "
                         "today's scheme on P local gloo ranks (lockstep and pipelined)")
     be.add_argument("--pp-size", type=_positive, default=2, help="ranks P (default 2)")
@@ -73,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
+    add_debug_commands(sub)
     return p
 
 
@@ -108,14 +117,27 @@ def _launch(args: argparse.Namespace) -> int:
         ring_depth=args.ring_depth,
         timeout_s=args.timeout,
         wire=args.wire,
+        flight_events=args.flight_events,
     )
     if args.jitter_us < 0:
         raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
-    report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
-                       jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals})
+    dump_dir = args.dump_dir or (Path(os.environ[DUMP_DIR_ENV])
+                                 if os.environ.get(DUMP_DIR_ENV) else None)
+    try:
+        report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
+                           jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
+                           dump_dir=dump_dir)
+    except ConfigError:
+        raise
+    except PPSyncError as e:  # the dumps' pointers are the last lines
+        print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
+        point_at_dumps(dump_dir)
+        return 1
     print(format_table(report))
     if args.report is not None:
         args.report.write_text(report.model_dump_json(indent=2) + "\n")
+    if not report.ok:
+        point_at_dumps(dump_dir)
     return 0 if report.ok else 1
 
 
@@ -126,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _launch(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command in ("dump", "schema"):
+            return int(args.run(args))
     except ConfigError as e:
         print(f"ppsync: {e}", file=sys.stderr)
         return 2

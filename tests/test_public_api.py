@@ -22,7 +22,7 @@ def test_all_lists_every_public_name() -> None:
     assert public == set(ppsync.__all__)
 
 
-LAYER = {"errors": 0, "schemas": 1, "core": 2, "compat": 3, "services": 3, "cli": 4}
+LAYER = {"errors": 0, "schemas": 1, "core": 2, "compat": 3, "services": 3, "debug": 4, "cli": 5}
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,15 +1,17 @@
 """Synchronous core (torch + numpy): need-sampled mask, generation table,
-slot ring, frame codec, process groups, the failure board, and the handler
-that combines them."""
+slot ring, frame codec, process groups, the failure board, the flight recorder
+and its dumps, and the handler that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
+from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
 from ppsync.core.handler import PendingStep, PreparedStep, TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 
@@ -17,6 +19,7 @@ __all__ = [
     "AuxRelay",
     "BatchView",
     "FailureBoard",
+    "FlightRecorder",
     "FrameCodec",
     "FrameView",
     "GenerationTable",
@@ -26,6 +29,8 @@ __all__ = [
     "SlotRing",
     "TokenPath",
     "batch_view_of",
+    "dump_all",
+    "install_dump_triggers",
     "need_sampled_mask",
     "pipeline_layout",
     "token_group",

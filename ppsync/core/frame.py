@@ -155,8 +155,9 @@ class FrameCodec:
         num_sampled_np: np.ndarray,  # [num_reqs] int
         num_rejected_np: np.ndarray,  # [num_reqs] int
         drafts_np: np.ndarray | None,  # [num_reqs, K] int, None = no drafts
-    ) -> None:
-        """Write one step into ``buf_np`` (inputs already validated)."""
+    ) -> tuple[int, int]:
+        """Write one step into ``buf_np`` (inputs already validated); return
+        the header's (flags, checksum)."""
         n, L = view.num_reqs, self.sample_width
         rows = self.rows(buf_np, n)
         w = tokens_np.shape[1]
@@ -178,7 +179,9 @@ class FrameCodec:
             _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, L, self.num_drafts, flags,
             view.idx_digest,
         )
-        buf_np[_H_CSUM] = self._checksum(buf_np, n)
+        checksum = self._checksum(buf_np, n)
+        buf_np[_H_CSUM] = checksum
+        return flags, checksum
 
     def drafts(self, rows: np.ndarray) -> np.ndarray:
         """[num_reqs, K] view of the draft columns of ``rows``."""

@@ -29,6 +29,10 @@ class GenerationTable:
             )
         self._gen_np[req_idx] += 1
 
+    def generation(self, req_idx: int) -> int:
+        """Slot ``req_idx``'s current generation (times it was freed)."""
+        return int(self._gen_np[req_idx])
+
     def snapshot(self, idx_mapping_np: np.ndarray) -> np.ndarray:
         """[num_reqs] int64: the current generation of each row's slot."""
         snap: np.ndarray = self._gen_np[idx_mapping_np]

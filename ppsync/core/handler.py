@@ -17,7 +17,8 @@ rank raises there and leaves the group usable. Every wait is bounded by
 
 This file holds only what needs the path's state (ring, in-flight works,
 sequence numbers, the failure board); each rule it applies lives in its own
-module (mask, ring, generations, frame, checks, transport, liveness).
+module (mask, ring, generations, frame, checks, transport, liveness,
+recorder).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -34,11 +36,13 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
+from ppsync.core.dumps import dump_file, dump_on_error, register, write_dump
 from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
@@ -146,6 +150,12 @@ class TokenPath:
         """(seq, buffer, work) of the most recent collective issued."""
         self.clock: TransportClock | None = None
         """When set, collects the CPU time of issues and of real waits."""
+        self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
+                                       depth=config.depth)
+        """This path's flight recorder (ppsync.core.recorder); see :meth:`dump`."""
+        self.group_ranks: list[int] = dist.get_process_group_ranks(group)
+        self.global_rank = self.group_ranks[self.rank]
+        register(self)
 
     def finish_handshake(self) -> None:
         """Check the start-up handshake (DesyncError if any rank's
@@ -173,6 +183,7 @@ class TokenPath:
         """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
         self._check_open()
         self.generations.bump(req_idx)
+        self.recorder.free(self.steps, req_idx, self.generations.generation(req_idx))
 
     def inflight_works(self) -> Iterator[dist.Work]:
         """Works issued and not yet known complete (last rank: sends; other
@@ -213,6 +224,7 @@ class TokenPath:
         while inflight and (finished(inflight[0][1]) or len(inflight) > self.config.depth):
             buf, work = inflight.popleft()
             self._wait(work, "earlier transfer")
+            self.recorder.complete(work, self.steps)
             self.codec.recycle(buf)
 
     def _wait(self, work: dist.Work, what: str) -> None:
@@ -263,7 +275,14 @@ class TokenPath:
         Posts this rank's notice first. ``settle``: first wait (up to the
         board's grace) for the survivors to post; an event loop passes False
         after waiting in its own way. ``observed``: False when this rank only
-        read of a failure on the board (it then posts what the board says)."""
+        read of a failure on the board (it then posts what the board says).
+        The error is recorded and, with a dump directory, dumped; its message
+        names the file."""
+        named = self._named(err, settle=settle, observed=observed)
+        dump_on_error(self, named)
+        return named
+
+    def _named(self, err: PPSyncError, *, settle: bool, observed: bool) -> PPSyncError:
         board = self.board
         if board is None:
             return err
@@ -331,6 +350,7 @@ class TokenPath:
         self.steps += 1
         needed = step.num_needed
         if needed == 0:
+            self.recorder.call(True, self.steps - 1, 0, step.view.num_reqs)
             return 0
         self._prune()
         codec = self.codec
@@ -340,9 +360,11 @@ class TokenPath:
                           slot_need_words(v.idx_mapping_np, step.need_np),
                           v.num_computed_tokens_np)
         buf = codec.new_buffer(frame.num_reqs)
-        codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
-                   step.num_rejected_np, drafts_np)
+        flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
+                                     step.num_rejected_np, drafts_np)
         work = self._issue(buf)
+        self.recorder.issue(work, self.steps - 1, self.seq, 0, frame.num_reqs, needed,
+                            frame.idx_digest, checksum, flags)
         self._inflight.append((buf, work))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
@@ -379,6 +401,7 @@ class TokenPath:
         self._tail_open = False
         self.steps += 1
         if needed == 0:
+            self.recorder.call(False, self.steps - 1, self.ring.advanced, view.num_reqs)
             return 0
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
         # copies: the engine may refill its batch arrays before this step is consumed
@@ -388,6 +411,8 @@ class TokenPath:
                           view.num_computed_tokens_np.astype(np.int64))
         buf = self.codec.new_buffer(frame.num_reqs)
         work = self._issue(buf)
+        self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
+                            needed, frame.idx_digest, 0, 0)
         self.ring.fill_tail(
             PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
         )
@@ -440,13 +465,16 @@ class TokenPath:
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.
             self._inflight.append((head.buf, head.work))
+            self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0)
             return None
+        wait_from_ns = time.monotonic_ns()
         self._wait(head.work, f"receive of frame {head.frame.seq}")
         try:
             released = self._release(head, keep, table)
         except DesyncError as e:
             raise self.failed(e) from None
         self.codec.recycle(head.buf)  # everything released was copied out
+        self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, wait_from_ns)
         return released
 
     def _release(
@@ -492,6 +520,7 @@ class TokenPath:
                 while self._inflight:
                     _, work = self._inflight.popleft()
                     self._wait(work, "draining transfer")
+                self.recorder.drained(self.steps)
         finally:
             abandoned = any(not finished(s.work) for s in self.ring.pending()) or any(
                 not finished(w) for _, w in self._inflight)
@@ -506,6 +535,12 @@ class TokenPath:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def dump(self, path: str | Path | None = None) -> Path:
+        """Write this path's flight record as JSON Lines (ppsync.schemas.dump)
+        to ``path``, or with None to its file in the dump directory (see
+        ppsync.core.dumps; ConfigError when none is set). Returns the file."""
+        return write_dump(self, dump_file(self, path), reason="request")
 
 
 def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> None:

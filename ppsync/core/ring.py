@@ -22,11 +22,13 @@ class SlotRing(Generic[T]):
             raise ValueError(f"depth = {depth} must be >= 1")
         self.depth = depth
         self._slots: deque[T | None] = deque([None] * depth)
+        self.advanced = 0  # advance() calls; the last tail reserved is (advanced - 1) % depth
 
     def advance(self) -> T | None:
         """Pop the head and reserve an empty tail; return what the head held."""
         head = self._slots.popleft()
         self._slots.append(None)
+        self.advanced += 1
         return head
 
     def head(self) -> T | None:

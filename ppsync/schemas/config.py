@@ -29,7 +29,8 @@ class SyncConfig(BaseModel):
     """What every rank of one PP group must agree on."""
 
     # strict: no bool-as-int, no numeric strings; every rank must mean the same
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
+                              use_attribute_docstrings=True)
 
     pp_size: int = Field(ge=1, le=1024)
     """Number of ranks in the PP group (P)."""
@@ -44,6 +45,9 @@ class SyncConfig(BaseModel):
     wire: WireMode = "fixed"
     """'fixed': frames sized for max_num_reqs rows (mismatched num_reqs cannot
     deadlock); 'exact': frames sized for num_reqs rows (fewer bytes)."""
+    flight_events: int = Field(default=4096, ge=0, le=1 << 20)
+    """Events the flight recorder keeps (the newest; 0 = recorder off). A
+    rank-local setting: ranks need not agree on it."""
 
     @model_validator(mode="after")
     def _depth_within_pp_size(self) -> SyncConfig:

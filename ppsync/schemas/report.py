@@ -12,7 +12,7 @@ from ppsync.schemas.config import SyncConfig
 class RankReport(BaseModel):
     """What one rank did and saw during a run."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     rank: int = Field(ge=0)
     """Group rank."""
@@ -61,7 +61,7 @@ class RankReport(BaseModel):
 class RunReport(BaseModel):
     """One run of the synthetic workload over every rank."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     config: SyncConfig
     """The token path's configuration."""

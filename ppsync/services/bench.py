@@ -21,7 +21,7 @@ import numpy as np
 
 from ppsync.core.frame import FrameCodec
 from ppsync.services.bench_common import rank_ctx, world_barrier
-from ppsync.services.bench_cpu import micro_cpu
+from ppsync.services.bench_cpu import micro_cpu, recorder_cpu
 from ppsync.services.bench_lockstep import VARIANTS, LockstepRankResult, lockstep_rank
 from ppsync.services.bench_model import (
     BenchOptions,
@@ -77,6 +77,7 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     lockstep = _lockstep_stats(opts, lock)
     pipelined = _pipelined_stats(opts, pipe)
     last_micro, recv_micro = micro_cpu(opts)
+    rec = recorder_cpu(opts)
     pipe_cpu = [np.concatenate(r.series["ppsync_sync@dedicated"].cpu_ns) for r in pipe]
     cpu = CpuStats(
         last_inrun_p50_us=pct_us(lock[-1].cpu_ns, 50),
@@ -85,6 +86,8 @@ def run_bench(opts: BenchOptions) -> BenchReport:
         receiver_pipelined_p50_us=max(pct_us(a, 50) for a in pipe_cpu[:-1]),
         last_micro_p50_us=last_micro,
         receiver_micro_p50_us=recv_micro,
+        recorder_last_us=rec["last_on"], recorder_last_off_us=rec["last_off"],
+        recorder_receiver_us=rec["receiver_on"], recorder_receiver_off_us=rec["receiver_off"],
     )
     lag_p99 = max(pct_us(r.lag_ns, 99) for r in lock)
     ratios = _ratios(opts, lockstep, pipelined)
@@ -189,6 +192,8 @@ def _targets(opts: BenchOptions, ratios: dict[str, float], cpu: CpuStats, lag_p9
         ("lockstep d/a", ratios["d/a"], 1.5),
         ("own CPU last rank us (micro)", cpu.last_micro_p50_us, 10.0),
         ("own CPU receiver us (micro)", cpu.receiver_micro_p50_us, 10.0),
+        ("flight recorder us/step last", cpu.recorder_last_us, 2.0),
+        ("flight recorder us/step receiver", cpu.recorder_receiver_us, 2.0),
         ("loop lag p99 us (lockstep d)", lag_p99_us, 2000.0),
         ("loop lag p99 us (pipelined async)", async_lag, 2000.0),
     ]
@@ -231,6 +236,9 @@ def format_tables(report: BenchReport) -> str:
         f"  last rank {c.last_inrun_p50_us:.1f} / {c.last_pipelined_p50_us:.1f} / "
         f"{c.last_micro_p50_us:.1f};  receiver {c.receiver_inrun_p50_us:.1f} / "
         f"{c.receiver_pipelined_p50_us:.1f} / {c.receiver_micro_p50_us:.1f}",
+        f"flight recorder per step (us, its calls alone): last rank {c.recorder_last_us:.2f} "
+        f"on / {c.recorder_last_off_us:.2f} off; receiver {c.recorder_receiver_us:.2f} on / "
+        f"{c.recorder_receiver_off_us:.2f} off",
         f"loop lag p99 (d): {report.lockstep_lag_p99_us:.1f} us",
         "",
         f"pipelined: P={o.pp_size} rows={o.rows} K={o.spec} compute={o.compute_us} us "

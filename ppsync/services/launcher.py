@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import faulthandler
 import gc
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import RankFailed, SyncTimeout
 
@@ -66,11 +66,11 @@ def _child(job: _Job[R], conn: Connection) -> None:
     # free them (a parent TCPStore freed here waits on a thread this process lacks).
     gc.freeze()
     try:
-        # a stuck rank prints every thread's stack on SIGUSR1 (see _dump_stacks);
-        # to fd 2 itself: sys.stderr may be a capture without a file descriptor
-        with contextlib.suppress(Exception):
-            faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2
         os.environ.update(job.env)
+        # a stuck rank prints every thread's stack on SIGUSR1 (see _dump_stacks),
+        # to fd 2 itself (sys.stderr may be a capture without a file descriptor),
+        # and with a dump directory ($PPSYNC_DUMP_DIR) dumps its flight record
+        install_dump_triggers(None)
         timeout = datetime.timedelta(seconds=job.timeout_s)
         store = TCPStore("127.0.0.1", job.port, is_master=False, timeout=timeout)
         dist.init_process_group(
@@ -90,6 +90,7 @@ def _child(job: _Job[R], conn: Connection) -> None:
             conn.send(("err", RuntimeError(traceback.format_exc())))
     finally:
         conn.close()
+        dump_all("exit")  # os._exit skips atexit; no-op without a dump directory
         os._exit(code)
 
 
@@ -121,8 +122,9 @@ def _start_store_host(ctx: Any, timeout_s: float) -> tuple[mp.process.BaseProces
 
 
 def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
-    """Ask stuck ranks to print their threads' stacks (to their stderr)
-    before they are killed, so a hang leaves a trace."""
+    """Ask stuck ranks to print their threads' stacks (to their stderr) and,
+    with a dump directory, to dump their flight records, before they are
+    killed, so a hang leaves a trace."""
     for p in procs:
         if p.pid is not None and p.is_alive():
             with contextlib.suppress(ProcessLookupError):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.distributed as dist
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.report import RankReport, RunReport
 from ppsync.services.driver import (
     Backend,
@@ -49,15 +51,18 @@ def run_local(
     backend: Backend | None = None,
     jitter_us: float = 0.0,
     knobs: dict[str, object] | None = None,
+    dump_dir: Path | None = None,
 ) -> RunReport:
     """Spawn ``config.pp_size`` gloo ranks on 127.0.0.1, run ``steps`` steps of
     the workload through the synchronous token path (``backend`` None) or the
-    anyio services on ``backend``, and report."""
+    anyio services on ``backend``, and report. ``dump_dir``: the ranks dump
+    their flight records there (ppsync.core.dumps)."""
     opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}))
     target = functools.partial(_rank, config, opts)
     # the whole run gets the collective timeout plus the time the steps take
     budget = config.timeout_s + steps * (0.01 + jitter_us / 1e6) * config.pp_size
-    ranks = spawn_ranks(target, config.pp_size, timeout_s=budget)
+    env = {} if dump_dir is None else {DUMP_DIR_ENV: str(dump_dir)}
+    ranks = spawn_ranks(target, config.pp_size, timeout_s=budget, env=env)
     return RunReport(config=config, steps=steps, seed=seed,
                      mode="sync" if backend is None else "async", ranks=ranks)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Literal
 
 import anyio
@@ -64,6 +65,10 @@ class Rank:
     def free(self, req_idx: int) -> None:
         """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
         self.path.free(req_idx)
+
+    def dump(self, path: str | Path | None = None) -> Path:
+        """Write this rank's flight record; see :meth:`TokenPath.dump`."""
+        return self.path.dump(path)
 
     async def publish(
         self,

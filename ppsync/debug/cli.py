@@ -1,0 +1,130 @@
+"""The ``ppsync dump`` and ``ppsync schema`` subcommands.
+
+- ``ppsync dump validate FILE...``: every line against the JSON Schemas;
+  exit 1 naming file, line and field of each problem.
+- ``ppsync dump show FILE... [--json]``: merge a group's dumps, name the
+  culprit (ppsync.debug.show).
+- ``ppsync dump trace FILE... -o trace.json``: a Chrome/Perfetto timeline.
+- ``ppsync schema export DIR``: write the JSON Schemas (ppsync.schemas.export).
+
+A directory given as FILE stands for the ``ppsync-rank*.jsonl`` dumps in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ppsync.debug.load import load, validate_file, validators
+from ppsync.debug.show import analyse, format_report, group_dumps
+from ppsync.debug.trace import trace
+from ppsync.schemas.dump import DUMP_DIR_ENV
+from ppsync.schemas.export import export
+
+
+def _expand(files: list[Path]) -> list[Path]:
+    """FILE arguments; a directory stands for the dumps in it."""
+    out: list[Path] = []
+    for f in files:
+        out += sorted(f.glob("ppsync-rank*.jsonl")) if f.is_dir() else [f]
+    return out
+
+
+def _validate(args: argparse.Namespace) -> int:
+    checks = validators(args.schemas)
+    bad = 0
+    files = _expand(args.files)
+    if not files:
+        print("ppsync: no dump file given", file=sys.stderr)
+        return 1
+    for f in files:
+        problems = validate_file(f, checks)
+        for p in problems:
+            print(p, file=sys.stderr)
+        bad += bool(problems)
+        if not problems:
+            print(f"{f}: ok")
+    return 1 if bad else 0
+
+
+def _load_all(files: list[Path]) -> list[Any]:
+    dumps = []
+    for f in _expand(files):
+        try:
+            dumps.append(load(f))
+        except (OSError, ValueError) as e:
+            print(f"ppsync: skipping {f}: {e}", file=sys.stderr)
+    return dumps
+
+
+def _show(args: argparse.Namespace) -> int:
+    dumps = _load_all(args.files)
+    if not dumps:
+        print("ppsync: no dump could be read", file=sys.stderr)
+        return 1
+    reports = [analyse(g) for g in group_dumps(dumps)]
+    if args.json:
+        doc = [r.model_dump(mode="json") for r in reports]
+        print(json.dumps(doc[0] if len(doc) == 1 else doc, indent=2))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    dumps = _load_all(args.files)
+    if not dumps:
+        print("ppsync: no dump could be read", file=sys.stderr)
+        return 1
+    doc = trace(dumps)
+    args.output.write_text(json.dumps(doc) + "\n")
+    print(f"{args.output}: {len(doc['traceEvents'])} trace events from {len(dumps)} dumps "
+          "(open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    for path in export(args.directory):
+        print(path)
+    return 0
+
+
+def point_at_dumps(dump_dir: Path | None) -> None:
+    """The last lines of a failed run (``ppsync launch``, ``ppsync run``), on
+    stderr: where the flight records are and the command that reads them."""
+    if dump_dir is None:
+        print(f"ppsync: no flight records kept: rerun with --dump-dir DIR (or ${DUMP_DIR_ENV})",
+              file=sys.stderr)
+        return
+    files = " ".join(str(f) for f in sorted(dump_dir.glob("ppsync-rank*.jsonl")))
+    print(f"ppsync: flight records: {files or f'none written in {dump_dir}'}", file=sys.stderr)
+    print(f"ppsync: diagnose with: ppsync dump show {dump_dir}/ppsync-rank*.jsonl",
+          file=sys.stderr)
+
+
+def add_debug_commands(sub: Any) -> None:
+    """Add ``dump`` and ``schema`` to the ``ppsync`` parser's subparsers."""
+    du = sub.add_parser("dump", help="read flight-recorder dumps")
+    dsub = du.add_subparsers(dest="dump_command", required=True)
+    va = dsub.add_parser("validate", help="check every line against the JSON Schemas")
+    va.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    va.add_argument("--schemas", type=Path, default=None, metavar="DIR",
+                    help="schema directory (default: the schemas of this ppsync)")
+    va.set_defaults(run=_validate)
+    sh = dsub.add_parser("show", help="merge a group's dumps and name the culprit")
+    sh.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    sh.add_argument("--json", action="store_true", help="print the report as JSON")
+    sh.set_defaults(run=_show)
+    tr = dsub.add_parser("trace", help="write a Chrome/Perfetto trace of the dumps")
+    tr.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    tr.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
+                    help="trace file to write (JSON)")
+    tr.set_defaults(run=_trace)
+    sc = sub.add_parser("schema", help="the JSON Schemas of dumps and reports")
+    ssub = sc.add_subparsers(dest="schema_command", required=True)
+    ex = ssub.add_parser("export", help="write one JSON Schema file per model")
+    ex.add_argument("directory", type=Path, metavar="DIR")
+    ex.set_defaults(run=_export)

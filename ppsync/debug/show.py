@@ -1,0 +1,255 @@
+"""``ppsync dump show``: merge one group's dumps into one picture and name
+the culprit.
+
+Per rank: the last step and frame seq reached, what it was waiting on
+(the oldest transfer in flight at dump time, or the one its error names)
+and for how long. Across ranks: who is ahead of whom, the ranks that never
+dumped (lost or stopped: they could not), the rank whose last event is the
+oldest when every rank dumped, and the first seq whose views differ.
+
+A *view* of a frame is what a rank issued it with: (num_reqs, rows needing
+a sample, idx digest, L, K). Every rank derives it from its own batch view,
+so on a healthy group all ranks agree at every seq; the first seq where
+they do not is where the group split, and the ranks outside the majority
+(on a tie: outside the last rank's side) are the culprits.
+
+Verdict rules, first match wins: views differ -> desync at that seq; a rank
+never dumped -> lost (a survivor saw PeerLost) or silent (survivors timed
+out) at the oldest seq a survivor was waiting on; an error with every rank
+dumped -> the rank that stopped first (oldest last event), at the seq it
+stopped at; otherwise OK.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ppsync.debug.load import RankDump
+
+Verdict = Literal["ok", "desync", "lost", "silent", "stopped", "error"]
+
+
+class RankState(BaseModel):
+    """One rank as its dump shows it (or as its absence does)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    rank: int
+    """Global rank."""
+    group_rank: int
+    """Rank in the group."""
+    dumped: bool
+    """Whether this rank's dump was given."""
+    reason: str | None = None
+    """What triggered its dump."""
+    error: str | None = None
+    """'Type: message' of the error in its footer."""
+    last_step: int | None = None
+    """post/publish calls made."""
+    last_seq: int | None = None
+    """Highest frame seq issued (-1: none)."""
+    waiting_seq: int | None = None
+    """The seq it was waiting on at dump time (oldest in flight, or its error's)."""
+    waiting_op: str | None = None
+    """'send' or 'recv'."""
+    waited_ms: float | None = None
+    """How long that transfer had been in flight at dump time."""
+    last_event_ms: float | None = None
+    """Time of its last event, ms after the group's first event (clocks
+    aligned by the dumps' clock pairs)."""
+
+
+class Divergence(BaseModel):
+    """The first seq whose views differ, with both sides."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    seq: int
+    """Frame seq."""
+    ranks: list[int]
+    """Ranks on the minority side (the culprits)."""
+    view: dict[str, int]
+    """Their view."""
+    others: list[int]
+    """Ranks on the majority side."""
+    others_view: dict[str, int]
+    """The majority's view."""
+
+
+class GroupReport(BaseModel):
+    """What ``ppsync dump show --json`` prints for one group."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    group_ranks: list[int]
+    """Global ranks of the group."""
+    ranks: list[RankState]
+    """Every rank of the group, in group order."""
+    missing: list[int]
+    """Ranks that never dumped."""
+    ahead: list[str]
+    """Who is ahead of whom, by frames issued."""
+    stopped_first: int | None
+    """Among the ranks that dumped, the one whose last event is the oldest."""
+    divergence: Divergence | None
+    """The first seq whose views differ."""
+    verdict: Verdict
+    """The kind of fault found."""
+    culprit_rank: int | None
+    """The rank the verdict blames."""
+    culprit_seq: int | None
+    """The frame seq the verdict names."""
+    summary: str
+    """One line, e.g. 'rank 1 lost at seq 1041: ranks 0 and 2 waited on it'."""
+
+
+_VIEW_FIELDS = ("num_reqs", "rows_needed", "idx_digest")
+
+
+def _views(d: RankDump) -> dict[int, dict[str, int]]:
+    c = d.header.config
+    out = {}
+    for e in d.events:
+        if e["kind"] == "issue":
+            out[e["seq"]] = {**{k: e[k] for k in _VIEW_FIELDS},
+                             "sample_width": c.num_speculative_steps + 1,
+                             "num_drafts": c.num_speculative_steps}
+    return out
+
+
+def _divergence(dumps: Sequence[RankDump]) -> Divergence | None:
+    views = {d.rank: _views(d) for d in dumps}
+    last = next((d.rank for d in dumps if d.is_last), None)
+    seqs = sorted(set().union(*(v.keys() for v in views.values())))
+    for seq in seqs:
+        have = {r: v[seq] for r, v in views.items() if seq in v}
+        if len(have) < 2:
+            continue
+        sides: dict[tuple[int, ...], list[int]] = {}
+        for r, v in sorted(have.items()):
+            sides.setdefault(tuple(v.values()), []).append(r)
+        if len(sides) == 1:
+            continue
+        ordered = sorted(sides.values(), key=lambda rs: (-len(rs), last not in rs, rs))
+        major = ordered[0]
+        minor = sorted(r for rs in ordered[1:] for r in rs)
+        return Divergence(seq=seq, ranks=minor, view=have[minor[0]], others=major,
+                          others_view=have[major[0]])
+    return None
+
+
+def _state(d: RankDump, t0_ns: int) -> RankState:
+    f = d.footer
+    waiting = f.in_flight[0] if f.in_flight else None
+    err_seq = next((e["seq"] for e in reversed(d.events) if e["kind"] == "error"), -1)
+    wseq = waiting.seq if waiting else (err_seq if err_seq >= 0 else None)
+    last_ev = d.wall_of(d.events[-1]["mono_ns"]) if d.events else None
+    return RankState(
+        rank=d.rank, group_rank=d.header.group_rank, dumped=True, reason=d.header.reason,
+        error=f"{f.error_type}: {f.error_message}" if f.error_type else None,
+        last_step=f.last_step, last_seq=f.next_seq - 1,
+        waiting_seq=wseq, waiting_op=waiting.op if waiting else None,
+        waited_ms=waiting.age_ns / 1e6 if waiting else None,
+        last_event_ms=None if last_ev is None else (last_ev - t0_ns) / 1e6,
+    )
+
+
+def _names(ranks: Sequence[int]) -> str:
+    r = [str(x) for x in ranks]
+    if len(r) <= 1:
+        return f"rank {''.join(r)}" if r else "no rank"
+    return "ranks " + ", ".join(r[:-1]) + " and " + r[-1]
+
+
+def analyse(dumps: Sequence[RankDump]) -> GroupReport:
+    """The report for one group's dumps (every dump of the same group)."""
+    group = list(dumps[0].header.group_ranks)
+    by_rank = {d.rank: d for d in dumps}
+    firsts = [d.wall_of(d.events[0]["mono_ns"]) for d in dumps if d.events]
+    t0 = min(firsts) if firsts else 0
+    states = [_state(by_rank[r], t0) if r in by_rank
+              else RankState(rank=r, group_rank=i, dumped=False)
+              for i, r in enumerate(group)]
+    missing = [s.rank for s in states if not s.dumped]
+    live = [s for s in states if s.dumped]
+    order = sorted(live, key=lambda s: (-(s.last_seq or -1), s.rank))
+    ahead = [f"rank {a.rank} (seq {a.last_seq}) ahead of rank {b.rank} (seq {b.last_seq})"
+             for a, b in itertools.pairwise(order) if (a.last_seq or -1) > (b.last_seq or -1)]
+    timed = [s for s in live if s.last_event_ms is not None]
+    stopped = min(timed, key=lambda s: (s.last_event_ms, s.rank)).rank if len(timed) > 1 else None
+    div = _divergence(dumps)
+    errors = [s for s in live if s.error]
+    waiters = [s for s in live if s.waiting_seq is not None]
+    verdict: Verdict = "ok"
+    culprit: int | None = None
+    seq: int | None = None
+    if div is not None:
+        verdict, culprit, seq = "desync", div.ranks[0], div.seq
+        summary = (f"{_names(div.ranks)} diverged at seq {div.seq}: view {div.view} vs "
+                   f"{div.others_view} of {_names(div.others)}")
+    elif missing:
+        kinds = {s.error.split(":")[0] for s in errors if s.error}
+        verdict = "lost" if "PeerLost" in kinds else "silent" if kinds else "lost"
+        culprit = missing[0]
+        seq = min((s.waiting_seq for s in waiters if s.waiting_seq is not None), default=None)
+        if seq is None:
+            seq = max((s.last_seq or -1 for s in live), default=-1) + 1
+        who = [s.rank for s in waiters] or [s.rank for s in live]
+        summary = (f"{_names(missing)} {verdict} at seq {seq}: {_names(who)} "
+                   f"waited on {'it' if len(missing) == 1 else 'them'}")
+    elif errors:
+        verdict = "stopped" if stopped is not None else "error"
+        first = next(s for s in live if s.rank == stopped) if stopped is not None else errors[0]
+        culprit = first.rank
+        seq = (first.last_seq or 0) + 1 if first.waiting_seq is None else first.waiting_seq
+        others = [s.rank for s in live if s.rank != culprit]
+        summary = (f"rank {culprit} stopped first at seq {seq}: {_names(others)} "
+                   f"waited on it" if verdict == "stopped"
+                   else f"rank {culprit} failed: {first.error}")
+    else:
+        top = max((s.last_seq or -1) for s in live) if live else -1
+        summary = f"OK: {len(live)} ranks, no error, up to seq {top}"
+    return GroupReport(group_ranks=group, ranks=states, missing=missing, ahead=ahead,
+                       stopped_first=stopped, divergence=div, verdict=verdict,
+                       culprit_rank=culprit, culprit_seq=seq, summary=summary)
+
+
+def group_dumps(dumps: Sequence[RankDump]) -> list[list[RankDump]]:
+    """Dumps split by group (same group_ranks), each in rank order."""
+    groups: dict[tuple[int, ...], list[RankDump]] = {}
+    for d in sorted(dumps, key=lambda d: d.rank):
+        groups.setdefault(tuple(d.header.group_ranks), []).append(d)
+    return list(groups.values())
+
+
+def format_report(report: GroupReport) -> str:
+    """The text ``ppsync dump show`` prints for one group."""
+    lines = [f"group {report.group_ranks}",
+             f"{'rank':>4} {'dumped':<7} {'step':>6} {'seq':>6} {'waiting on':<14} "
+             f"{'for_ms':>9} {'last_ms':>9}  error"]
+    for s in report.ranks:
+        if not s.dumped:
+            lines.append(f"{s.rank:>4} {'NO':<7} {'-':>6} {'-':>6} {'-':<14} {'-':>9} {'-':>9}")
+            continue
+        wait = f"{s.waiting_op} {s.waiting_seq}" if s.waiting_op else (
+            f"seq {s.waiting_seq}" if s.waiting_seq is not None else "-")
+        lines.append(
+            f"{s.rank:>4} {s.reason or '':<7} {s.last_step!s:>6} {s.last_seq!s:>6} {wait:<14} "
+            f"{'-' if s.waited_ms is None else f'{s.waited_ms:.1f}':>9} "
+            f"{'-' if s.last_event_ms is None else f'{s.last_event_ms:.1f}':>9}  "
+            f"{(s.error or '')[:160]}")
+    lines += [f"ahead: {a}" for a in report.ahead]
+    if report.missing:
+        lines.append(f"never dumped: {_names(report.missing)}")
+    if report.stopped_first is not None and report.verdict != "ok":
+        lines.append(f"oldest last event: rank {report.stopped_first}")
+    if report.divergence is not None:
+        d = report.divergence
+        lines.append(f"first differing seq {d.seq}: {_names(d.ranks)} {d.view}")
+        lines.append(f"{'':>{len(str(d.seq)) + 21}}{_names(d.others)} {d.others_view}")
+    lines.append(f"verdict: {report.summary}")
+    return "\n".join(lines)

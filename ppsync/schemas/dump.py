@@ -1,0 +1,178 @@
+"""The flight-recorder dump: one JSON Lines file per rank.
+
+Line 1 is a :class:`DumpHeader`, then one :class:`DumpEvent` per recorded
+event, oldest first, then a :class:`DumpFooter`. Each line carries a
+``type`` field naming its model, so a reader can check every line on its own
+against the JSON Schemas exported from these models (``schemas/``).
+
+Times: ``mono_ns`` is the rank's CLOCK_MONOTONIC, comparable only within one
+host; ``wall_ns`` is wall-clock time since the epoch. The header's
+:class:`ClockPair` was read with both clocks together, so a reader can place
+the events of several hosts on one time line (``ppsync dump trace``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ppsync.schemas.config import SyncConfig
+
+DUMP_FORMAT_VERSION = 1
+
+DUMP_DIR_ENV = "PPSYNC_DUMP_DIR"
+"""Environment variable naming the directory automatic dumps go to."""
+
+EventKind = Literal["post", "publish", "issue", "complete", "consume", "free", "error"]
+EVENT_KINDS: tuple[EventKind, ...] = (
+    "post", "publish", "issue", "complete", "consume", "free", "error",
+)
+"""Event kinds in the order of their integer codes in the recorder's ring."""
+
+DumpReason = Literal["error", "signal", "exit", "request"]
+
+
+class ClockPair(BaseModel):
+    """Both clocks, read back to back (the wall clock between two monotonic
+    reads, the pair kept from the closest of a few tries)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    wall_ns: int
+    """time.time_ns(): wall-clock ns since the epoch."""
+    mono_ns: int
+    """time.monotonic_ns() at the same instant."""
+
+
+class DumpHeader(BaseModel):
+    """First line of a dump: who wrote it, with what configuration."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    type: Literal["header"] = "header"
+    """Line type."""
+    format_version: int = Field(ge=1)
+    """Dump format version (DUMP_FORMAT_VERSION when written)."""
+    ppsync_version: str
+    """ppsync's version."""
+    torch_version: str
+    """torch's version."""
+    rank: int = Field(ge=0)
+    """Global rank of the writer."""
+    group_rank: int = Field(ge=0)
+    """Rank of the writer in its PP (token) group."""
+    group_ranks: list[int]
+    """Global ranks of the group, in group-rank order (the last samples)."""
+    pp_size: int = Field(ge=1)
+    """Ranks in the group."""
+    config: SyncConfig
+    """The token path's configuration."""
+    host: str
+    """Host name of the writer."""
+    pid: int = Field(ge=0)
+    """Process id of the writer."""
+    clock: ClockPair
+    """Wall and monotonic clocks read together at dump time."""
+    reason: DumpReason
+    """What triggered the dump: an error leaving the token path, a signal
+    (SIGUSR1), the process exiting, or an explicit request."""
+    capacity: int = Field(ge=0)
+    """Events the ring holds (SyncConfig.flight_events)."""
+    recorded: int = Field(ge=0)
+    """Events recorded since the token path opened."""
+    dropped: int = Field(ge=0)
+    """Oldest events overwritten by newer ones (recorded - events in the dump)."""
+
+
+class DumpEvent(BaseModel):
+    """One recorded operation. Fields that do not apply to a kind hold -1
+    (seq, ring_slot, req_idx, generation) or 0."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    type: Literal["event"] = "event"
+    """Line type."""
+    index: int = Field(ge=0)
+    """Position in the rank's event sequence (0 = first since open)."""
+    kind: EventKind
+    """post / publish: a step's call (receiver / last rank), with its view;
+    issue: its frame's collective was issued; complete: a transfer was seen
+    complete outside a consume (send, dropped receive, drain); consume: a
+    receive was released (kept / excluded rows); free: a request slot was
+    freed; error: a PPSyncError left the token path."""
+    step: int = Field(ge=0)
+    """post/publish calls made before this event (the step number)."""
+    seq: int = Field(ge=-1)
+    """Frame sequence number (-1: no frame)."""
+    ring_slot: int = Field(ge=-1)
+    """Ring slot (receivers' consume count mod D) of the step; -1 on the last rank."""
+    num_reqs: int = Field(ge=0)
+    """Rows in the step's batch view."""
+    rows_needed: int = Field(ge=0)
+    """Rows that need a sample (post/publish/issue) or were needed (consume)."""
+    kept: int = Field(ge=0)
+    """consume: rows handed out."""
+    excluded: int = Field(ge=0)
+    """consume: rows dropped (needed no sample, or their slot was freed)."""
+    req_idx: int = Field(ge=-1)
+    """free: the request slot index freed."""
+    generation: int = Field(ge=-1)
+    """free: the slot's new generation."""
+    idx_digest: int
+    """issue / consume: this rank's digest of the step's idx_mapping and
+    num_computed_tokens (what the frame header must match)."""
+    checksum: int
+    """issue on the last rank: the frame's payload checksum (receivers check
+    it at consume; a mismatch is a DesyncError, recorded as an error); 0
+    elsewhere."""
+    flags: int = Field(ge=0)
+    """issue on the last rank: the frame's flags (FLAG_HAS_DRAFTS,
+    FLAG_EXACT); 0 elsewhere."""
+    mono_ns: int
+    """Monotonic clock when the event was recorded."""
+    wall_ns: int
+    """Wall clock of the same instant (derived from the header's clock pair)."""
+    blocked_ns: int = Field(ge=0)
+    """consume / complete: time the call waited for the transfer."""
+    error: str | None = None
+    """error: the exception type's name."""
+
+
+class InFlight(BaseModel):
+    """A transfer issued and not seen complete by the token path."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    seq: int = Field(ge=0)
+    """Frame sequence number."""
+    op: Literal["send", "recv"]
+    """send (last rank) or recv (other ranks)."""
+    issued_mono_ns: int
+    """Monotonic clock at the issue."""
+    age_ns: int = Field(ge=0)
+    """Time from the issue to the dump."""
+    completed: bool
+    """Whether torch reported the work completed at dump time (finished or
+    failed, but not yet observed by the token path)."""
+
+
+class DumpFooter(BaseModel):
+    """Last line of a dump: the error, if any, and what was in flight."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    type: Literal["footer"] = "footer"
+    """Line type."""
+    error_type: str | None
+    """Type name of the error that triggered the dump (None: no error)."""
+    error_message: str | None
+    """Its message."""
+    in_flight: list[InFlight]
+    """Receives and sends in flight at dump time, oldest first."""
+    last_step: int = Field(ge=0)
+    """post/publish calls made so far."""
+    next_seq: int = Field(ge=0)
+    """The seq the next frame would get."""
+    closed: bool
+    """Whether the token path was closed."""
