@@ -2,15 +2,17 @@
 
 Layout (int64 words)::
 
-    header  [HEADER_WORDS]            magic|version, seq, num_reqs, L, K, flags,
+    header  [HEADER_WORDS]            magic|version, seq, num_reqs, w, K, flags,
                                       idx_digest, checksum
     rows    [R, W], W = L + 2 + K     tokens[L], num_sampled, num_rejected, drafts[K]
 
-R is max_num_reqs in the fixed wire mode (every frame of a group has one
-shape, so ranks that disagree about num_reqs cannot deadlock or tear the
-collective: the header check names the disagreement instead) and num_reqs in
-the exact mode. Row-major rows keep a step's used payload contiguous, so the
-checksum is one dot product over ``num_reqs * W`` words.
+w is the step's sample width: L unless the engine varies it per step
+(tokens beyond w are -1 padding). R is max_num_reqs in the fixed wire mode
+(every frame of a group has one shape, so ranks that disagree about num_reqs
+cannot deadlock or tear the collective: the header check names the
+disagreement instead) and num_reqs in the exact mode. Row-major rows keep a
+step's used payload contiguous, so the checksum is one dot product over
+``num_reqs * W`` words.
 
 ``seq`` counts frames sent on the group (steps with no transfer send none),
 so an engine that skips calls on empty steps keeps its ranks in agreement.
@@ -49,13 +51,20 @@ class FrameView:
     seq: int
     num_reqs: int
     idx_digest: int
+    sample_width: int | None = None
+    """The step's sample width w, 1 <= w <= L, for engines whose width varies
+    per step (vLLM 0.33: 1 without drafts); None = L. The header carries it,
+    so a receiver that disagrees gets a DesyncError, never cut tokens."""
+
+    def width(self, codec: FrameCodec) -> int:
+        return codec.sample_width if self.sample_width is None else self.sample_width
 
     def as_dict(self, codec: FrameCodec) -> dict[str, int]:
         return {
             "version": FRAME_FORMAT_VERSION,
             "seq": self.seq,
             "num_reqs": self.num_reqs,
-            "sample_width": codec.sample_width,
+            "sample_width": self.width(codec),
             "num_drafts": codec.num_drafts,
             "idx_digest": self.idx_digest,
         }
@@ -150,7 +159,7 @@ class FrameCodec:
                 rows[:, L + 2 :] = drafts_np
                 flags |= FLAG_HAS_DRAFTS
         buf_np[:_H_CSUM] = (
-            _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, L, self.num_drafts, flags,
+            _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, view.width(self), self.num_drafts, flags,
             view.idx_digest,
         )
         buf_np[_H_CSUM] = self._checksum(buf_np, n)
@@ -174,7 +183,7 @@ class FrameCodec:
             head[_H_MAGIC] == (_MAGIC | FRAME_FORMAT_VERSION)
             and head[_H_SEQ] == view.seq
             and head[_H_NREQS] == n
-            and head[_H_L] == self.sample_width
+            and head[_H_L] == view.width(self)
             and head[_H_K] == self.num_drafts
             and head[_H_DIGEST] == view.idx_digest
         ):

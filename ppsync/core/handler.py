@@ -65,6 +65,7 @@ class PendingStep:
     gen_np: np.ndarray  # [num_reqs] int64 generation snapshot
     buf: torch.Tensor  # [words] int64 frame buffer the receive fills
     work: dist.Work
+    expect_drafts: bool | None = None  # None: take the frame's word for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,7 @@ class PreparedStep:
     tokens_np: np.ndarray  # [num_reqs, w] int
     num_sampled_np: np.ndarray  # [num_reqs] int
     num_rejected_np: np.ndarray  # [num_reqs] int
+    sample_width: int | None = None  # the step's width w in the header; None = L
 
     @property
     def num_needed(self) -> int:
@@ -247,11 +249,15 @@ class TokenPath:
         num_sampled: torch.Tensor,
         num_rejected: torch.Tensor,
         draft_tokens: torch.Tensor | None = None,
+        *,
+        sample_width: int | None = None,
     ) -> tuple[PreparedStep, np.ndarray | None]:
         """Check one step's batch view, sampler outputs and (optional) drafts
         [num_reqs, K] (last rank); nothing is sent. Returns the prepared step
-        and the drafts' host array."""
+        and the drafts' host array. ``sample_width``: this step's width w
+        (1..L; tokens at most w wide), for engines that vary it per step."""
         self._check_role("broadcast", last=True)
+        _check_width(sample_width, self.config.sample_width)
         validate_batch(view, self.config.max_num_reqs)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
@@ -262,7 +268,11 @@ class TokenPath:
         drafts_np = None if draft_tokens is None else check_step_drafts(
             draft_tokens, num_reqs=view.num_reqs, num_drafts=self.config.num_speculative_steps,
         )
-        return PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np), drafts_np
+        if sample_width is not None and tokens_np.shape[1] > sample_width:
+            raise BatchError(f"sampled_token_ids.shape[1] = {tokens_np.shape[1]} exceeds the "
+                             f"step's sample width {sample_width}")
+        step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
+        return step, drafts_np
 
     def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
@@ -290,7 +300,8 @@ class TokenPath:
         codec = self.codec
         v = step.view
         frame = FrameView(self.seq, v.num_reqs,
-                          codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np))
+                          codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np),
+                          step.sample_width)
         buf = codec.new_buffer(frame.num_reqs)
         codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
                    step.num_rejected_np, drafts_np)
@@ -315,10 +326,19 @@ class TokenPath:
 
     # -- receivers --------------------------------------------------------
 
-    def post(self, view: BatchView) -> int:
+    def post(
+        self, view: BatchView, *, expect_drafts: bool | None = None,
+        sample_width: int | None = None,
+    ) -> int:
         """Post this step's receive into the ring's tail (non-last ranks).
-        Returns the rows needing a sample; 0 means no transfer this step."""
+        Returns the rows needing a sample; 0 means no transfer this step.
+        ``expect_drafts``: whether the frame must carry drafts (a frame that
+        disagrees is a DesyncError at consume); ``sample_width``: the step's
+        width w (1..L), checked against the header and the width released."""
         self._check_role("receive", last=False)
+        _check_width(sample_width, self.config.sample_width)
+        if expect_drafts is not None and not isinstance(expect_drafts, bool):
+            raise BatchError(f"expect_drafts = {expect_drafts!r} must be a bool or None")
         if not self._tail_open:
             raise ProtocolError(
                 f"rank {self.rank}: post() without a consume() before it; each step is "
@@ -333,12 +353,12 @@ class TokenPath:
             return 0
         idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
         frame = FrameView(self.seq, view.num_reqs,
-                          self.codec.idx_digest(idx_np, view.num_computed_tokens_np))
+                          self.codec.idx_digest(idx_np, view.num_computed_tokens_np),
+                          sample_width)
         buf = self.codec.new_buffer(frame.num_reqs)
         work = self._issue(buf)
-        self.ring.fill_tail(
-            PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
-        )
+        self.ring.fill_tail(PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np),
+                                        buf, work, expect_drafts))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
@@ -402,18 +422,22 @@ class TokenPath:
     ) -> ReleasedStep:
         buf_np = head.buf.numpy()
         flags = self.codec.check(buf_np, head.frame, rank=self.rank)
+        has_drafts = bool(flags & FLAG_HAS_DRAFTS)
+        if head.expect_drafts is not None and head.expect_drafts != has_drafts:
+            raise _drafts_desync(self.rank, head, has_drafts, self.codec.header_dict(buf_np))
         L = self.config.sample_width
+        w = head.frame.width(self.codec)
         rows = self.codec.rows(buf_np, head.frame.num_reqs)
         idx_out = np.where(keep, head.idx_np, -1)
         drafts = None
-        if flags & FLAG_HAS_DRAFTS:
+        if has_drafts:
             drafts_np = rows[:, L + 2 :].copy()  # a copy: the buffer is recycled
             drafts = torch.from_numpy(drafts_np)
             if table is not None:
                 _scatter(table, head.idx_np[keep], drafts_np[keep])
         return ReleasedStep(
             seq=head.frame.seq,
-            sampled_tokens=torch.from_numpy(rows[:, :L].copy()),
+            sampled_tokens=torch.from_numpy(rows[:, :w].copy()),
             num_sampled=torch.from_numpy(rows[:, L].astype(np.int32)),
             num_rejected=torch.from_numpy(rows[:, L + 1].astype(np.int32)),
             idx_mapping=torch.from_numpy(idx_out),
@@ -453,3 +477,27 @@ def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> No
     else:
         idx = torch.from_numpy(idx_np).to(table.device, non_blocking=True)
         table[idx] = torch.from_numpy(rows_np).to(table.device, table.dtype, non_blocking=True)
+
+
+def _check_width(sample_width: int | None, L: int) -> None:
+    if sample_width is None:
+        return
+    if isinstance(sample_width, bool) or not isinstance(sample_width, int):
+        raise BatchError(f"sample_width = {sample_width!r} must be an int or None")
+    if not 1 <= sample_width <= L:
+        raise BatchError(f"sample_width = {sample_width} must lie in [1, L = {L}] "
+                         "(L = num_speculative_steps + 1)")
+
+
+def _drafts_desync(
+    rank: int, head: PendingStep, has_drafts: bool, header: dict[str, int]
+) -> DesyncError:
+    """The frame's FLAG_HAS_DRAFTS disagrees with what the receiver expected."""
+    want, got = ("drafts", "none") if head.expect_drafts else ("no drafts", "drafts")
+    return DesyncError(
+        f"rank {rank}: frame seq {head.frame.seq}: this rank expects {want} "
+        f"(expect_drafts = {head.expect_drafts}; vLLM's recv_drafts) but the last rank "
+        f"sent {got} (FLAG_HAS_DRAFTS {'set' if has_drafts else 'clear'})",
+        expected={"seq": head.frame.seq, "has_drafts": int(bool(head.expect_drafts))},
+        received={**header, "has_drafts": int(has_drafts)},
+    )
