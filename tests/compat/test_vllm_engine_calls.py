@@ -17,8 +17,9 @@ ranks, one process per rank, with the synthetic workload's requests.
   receive or broadcast, no forward) interleaved.
 
 Every released row is checked exactly against the workload's record of the
-step D steps before; a recv_drafts that disagrees with the last rank is a
-DesyncError on every rank.
+step D steps before; a recv_drafts or a sample width (0.33) that disagrees
+with the last rank's is a DesyncError on every rank (they share a failure
+board), never a hang.
 """
 
 from __future__ import annotations
@@ -303,9 +304,11 @@ def test_vllm_call_sequences_deliver_every_row_exactly(case: Case, tmp_path: Pat
 MISMATCH_AT = 4  # the ring (D = 2) is full by then
 
 
-def mismatch_rank(receiver_expects: bool, env: RankEnv) -> str:
-    """Decode steps on fixed slots; at step MISMATCH_AT the receiver's
-    recv_drafts says ``receiver_expects`` and the last rank does the opposite.
+def mismatch_rank(case: str, env: RankEnv) -> str:
+    """Decode steps on fixed slots; at step MISMATCH_AT the receiver's view
+    differs from the last rank's: ``expects``: its recv_drafts is True and
+    the last rank sends no drafts; ``does-not``: the opposite; ``width``: its
+    batch verifies no drafts (width 1), the last rank's does (width L).
     Returns the DesyncError's message (every rank must raise one)."""
     K = 2
     board = env.failure_board(dist.group.WORLD)  # type: ignore[arg-type]
@@ -314,20 +317,21 @@ def mismatch_rank(receiver_expects: bool, env: RankEnv) -> str:
     try:
         for t in range(200):  # far more than the run can take once the desync is seen
             h.get_prev_sampled_outputs()
+            at = t == MISMATCH_AT
+            narrow = at and case == "width" and not h.is_last_rank
             batch = VllmInputBatch(
                 num_reqs=2, idx_mapping=torch.from_numpy(slots.astype(np.int64)),
                 idx_mapping_np=slots, num_computed_tokens_np=np.full(2, 10 + t, np.int32),
                 num_scheduled_tokens=np.full(2, 1 + K, np.int32),
                 prefill_len_np=np.full(2, 5, np.int32), is_prefilling_np=np.zeros(2, bool),
-                max_seq_len_np=None, num_draft_tokens=2 * K,
+                max_seq_len_np=None, num_draft_tokens=0 if narrow else 2 * K,
             )
-            drafts = t != MISMATCH_AT or not receiver_expects
             if not h.is_last_rank:
-                h.receive(batch, drafts if t != MISMATCH_AT else receiver_expects)
+                h.receive(batch, not (at and case == "does-not"))
                 continue
             h.broadcast(torch.full((2, K + 1), t), torch.full((2,), K + 1, dtype=torch.int32),
                         torch.zeros(2, dtype=torch.int32), batch)
-            if drafts:
+            if not (at and case == "expects"):
                 h.broadcast_drafts(torch.full((2, K), 100 + t))
     except DesyncError as e:
         h.close(drain=False)
@@ -335,16 +339,22 @@ def mismatch_rank(receiver_expects: bool, env: RankEnv) -> str:
     raise AssertionError("no DesyncError after 200 steps")
 
 
-@pytest.mark.parametrize("receiver_expects", [True, False], ids=["expects", "does-not"])
-def test_recv_drafts_mismatch_is_a_desync_error_on_every_rank(receiver_expects: bool) -> None:
-    messages = spawn_ranks(functools.partial(mismatch_rank, receiver_expects), 2,
-                           timeout_s=SPAWN_TIMEOUT_S)
-    want = "drafts" if receiver_expects else "no drafts"
-    pattern = rf"rank 0: frame seq {MISMATCH_AT}: this rank expects {want} " \
-              rf"\(expect_drafts = {receiver_expects}; vLLM's recv_drafts\)"
-    receiver, last = messages
-    assert re.match(pattern, receiver), receiver
-    assert re.search(r"rank 0 reported: " + pattern, last), last
+MISMATCHES = {
+    "expects": rf"rank 0: frame seq {MISMATCH_AT}: this rank expects drafts "
+               r"\(expect_drafts = True; vLLM's recv_drafts\) but the last rank sent none",
+    "does-not": rf"rank 0: frame seq {MISMATCH_AT}: this rank expects no drafts "
+                r"\(expect_drafts = False; vLLM's recv_drafts\) but the last rank sent drafts",
+    "width": r"rank 0: frame disagrees with this rank's view of the step "
+             r"\(sample_width: mine 1 vs sender 3\)",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_a_drafts_or_width_mismatch_is_a_desync_error_on_every_rank(case: str) -> None:
+    receiver, last = spawn_ranks(functools.partial(mismatch_rank, case), 2,
+                                 timeout_s=SPAWN_TIMEOUT_S)
+    assert re.match(MISMATCHES[case], receiver), receiver
+    assert re.search(r"rank 0 reported: " + MISMATCHES[case], last), last
 
 
 def test_a_rank_that_expects_drafts_never_hangs_when_none_come() -> None:
