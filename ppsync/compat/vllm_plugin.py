@@ -23,8 +23,10 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from ppsync.compat.vllm import PPHandler
+from ppsync.core.liveness import FailureBoard
 from ppsync.errors import ConfigError
 
 __all__ = ["ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS", "VllmPPHandler", "register"]
@@ -41,8 +43,9 @@ log = logging.getLogger("ppsync.vllm")
 
 class VllmPPHandler(PPHandler):
     """ppsync's handler, built with the arguments vLLM's model runner passes
-    its own and with vLLM's PP group (``get_pp_group().device_group``); the
-    interface follows the installed vLLM's version."""
+    its own and with vLLM's PP group (``get_pp_group().device_group``), with
+    a failure board in the default group's store; the interface follows the
+    installed vLLM's version."""
 
     def __init__(self, max_num_reqs: int, num_speculative_steps: int,
                  device: torch.device) -> None:
@@ -51,8 +54,25 @@ class VllmPPHandler(PPHandler):
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"the ppsync vLLM plugin needs {PARALLEL_STATE}.get_pp_group "
                               f"({e})") from None
-        super().__init__(max_num_reqs, num_speculative_steps, device,
-                         group=get_pp_group().device_group)
+        group = get_pp_group().device_group
+        super().__init__(max_num_reqs, num_speculative_steps, device, group=group,
+                         board=_default_store_board(group))
+
+
+def _default_store_board(group: dist.ProcessGroup) -> FailureBoard | None:
+    """A failure board in the store of vLLM's default group, so that a
+    desync or a lost peer one rank sees reaches every rank of the PP group;
+    None where torch does not expose that store (the handler then works
+    without: errors stay typed and bounded but reach only the ranks that see
+    them)."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        store = None if get_store is None else get_store()
+    except (RuntimeError, ValueError):
+        store = None
+    if store is None:
+        return None
+    return FailureBoard(store, ranks=dist.get_process_group_ranks(group), me=dist.get_rank())
 
 
 def register() -> None:

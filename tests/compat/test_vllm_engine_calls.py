@@ -310,9 +310,14 @@ def mismatch_rank(case: str, env: RankEnv) -> str:
     the last rank sends no drafts; ``does-not``: the opposite; ``width``: its
     batch verifies no drafts (width 1), the last rank's does (width L).
     Returns the DesyncError's message (every rank must raise one)."""
-    K = 2
     board = env.failure_board(dist.group.WORLD)  # type: ignore[arg-type]
-    h = PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface="0.33", board=board)
+    h = PPHandler(MAX_NUM_REQS, 2, CPU, timeout_s=WAIT_S, interface="0.33", board=board)
+    return drive_mismatch(h, case)
+
+
+def drive_mismatch(h: PPHandler, case: str) -> str:
+    """The steps of :func:`mismatch_rank` on a built 0.33 handler with K = 2."""
+    K = h.config.num_speculative_steps
     slots = np.array([3, 5], dtype=np.intp)
     try:
         for t in range(200):  # far more than the run can take once the desync is seen

