@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppsync.errors import DesyncError
+from ppsync.errors import BatchError, DesyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_EXACT, FLAG_HAS_DRAFTS, FRAME_FORMAT_VERSION
 
@@ -206,3 +206,28 @@ class FrameCodec:
             expected=mine,
             received=got,
         )
+
+
+def check_sample_width(sample_width: int | None, L: int) -> None:
+    """A step's own sample width: None (= L) or an int in [1, L]."""
+    if sample_width is None:
+        return
+    if isinstance(sample_width, bool) or not isinstance(sample_width, int):
+        raise BatchError(f"sample_width = {sample_width!r} must be an int or None")
+    if not 1 <= sample_width <= L:
+        raise BatchError(f"sample_width = {sample_width} must lie in [1, L = {L}] "
+                         "(L = num_speculative_steps + 1)")
+
+
+def drafts_desync(
+    rank: int, seq: int, expected: bool, has_drafts: bool, header: dict[str, int]
+) -> DesyncError:
+    """A frame whose FLAG_HAS_DRAFTS disagrees with what its receiver expected."""
+    want, got = ("drafts", "none") if expected else ("no drafts", "drafts")
+    return DesyncError(
+        f"rank {rank}: frame seq {seq}: this rank expects {want} (expect_drafts = "
+        f"{expected}; vLLM's recv_drafts) but the last rank sent {got} "
+        f"(FLAG_HAS_DRAFTS {'set' if has_drafts else 'clear'})",
+        expected={"seq": seq, "has_drafts": int(expected)},
+        received={**header, "has_drafts": int(has_drafts)},
+    )

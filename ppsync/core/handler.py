@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
-from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.frame import FrameCodec, FrameView, check_sample_width, drafts_desync
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import check_peers_agree
 from ppsync.core.liveness import FailureBoard
@@ -257,7 +257,7 @@ class TokenPath:
         and the drafts' host array. ``sample_width``: this step's width w
         (1..L; tokens at most w wide), for engines that vary it per step."""
         self._check_role("broadcast", last=True)
-        _check_width(sample_width, self.config.sample_width)
+        check_sample_width(sample_width, self.config.sample_width)
         validate_batch(view, self.config.max_num_reqs)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
@@ -336,7 +336,7 @@ class TokenPath:
         disagrees is a DesyncError at consume); ``sample_width``: the step's
         width w (1..L), checked against the header and the width released."""
         self._check_role("receive", last=False)
-        _check_width(sample_width, self.config.sample_width)
+        check_sample_width(sample_width, self.config.sample_width)
         if expect_drafts is not None and not isinstance(expect_drafts, bool):
             raise BatchError(f"expect_drafts = {expect_drafts!r} must be a bool or None")
         if not self._tail_open:
@@ -424,7 +424,8 @@ class TokenPath:
         flags = self.codec.check(buf_np, head.frame, rank=self.rank)
         has_drafts = bool(flags & FLAG_HAS_DRAFTS)
         if head.expect_drafts is not None and head.expect_drafts != has_drafts:
-            raise _drafts_desync(self.rank, head, has_drafts, self.codec.header_dict(buf_np))
+            raise drafts_desync(self.rank, head.frame.seq, head.expect_drafts, has_drafts,
+                                self.codec.header_dict(buf_np))
         L = self.config.sample_width
         w = head.frame.width(self.codec)
         rows = self.codec.rows(buf_np, head.frame.num_reqs)
@@ -478,26 +479,3 @@ def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> No
         idx = torch.from_numpy(idx_np).to(table.device, non_blocking=True)
         table[idx] = torch.from_numpy(rows_np).to(table.device, table.dtype, non_blocking=True)
 
-
-def _check_width(sample_width: int | None, L: int) -> None:
-    if sample_width is None:
-        return
-    if isinstance(sample_width, bool) or not isinstance(sample_width, int):
-        raise BatchError(f"sample_width = {sample_width!r} must be an int or None")
-    if not 1 <= sample_width <= L:
-        raise BatchError(f"sample_width = {sample_width} must lie in [1, L = {L}] "
-                         "(L = num_speculative_steps + 1)")
-
-
-def _drafts_desync(
-    rank: int, head: PendingStep, has_drafts: bool, header: dict[str, int]
-) -> DesyncError:
-    """The frame's FLAG_HAS_DRAFTS disagrees with what the receiver expected."""
-    want, got = ("drafts", "none") if head.expect_drafts else ("no drafts", "drafts")
-    return DesyncError(
-        f"rank {rank}: frame seq {head.frame.seq}: this rank expects {want} "
-        f"(expect_drafts = {head.expect_drafts}; vLLM's recv_drafts) but the last rank "
-        f"sent {got} (FLAG_HAS_DRAFTS {'set' if has_drafts else 'clear'})",
-        expected={"seq": head.frame.seq, "has_drafts": int(bool(head.expect_drafts))},
-        received={**header, "has_drafts": int(has_drafts)},
-    )
