@@ -113,11 +113,11 @@ def rebuilt_like(output: T, merged: Mapping[str, torch.Tensor]) -> T:
     dataclass, else through its constructor."""
     if type(output) is dict:
         return cast(T, dict(merged))
-    if not isinstance(output, Mapping) and dataclasses.is_dataclass(output):
-        return cast(T, dataclasses.replace(output, tensors=dict(merged)))  # type: ignore[type-var]
     try:
+        if not isinstance(output, Mapping) and dataclasses.is_dataclass(output):
+            return cast(T, dataclasses.replace(output, tensors=dict(merged)))  # type: ignore[type-var]
         rebuilt: T = type(output)(dict(merged))  # type: ignore[call-arg]
         return rebuilt
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise BatchError(f"output_intermediate_tensors of type {type(output).__name__} cannot "
                          f"be rebuilt from its tensors ({e})") from None
