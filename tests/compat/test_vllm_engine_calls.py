@@ -117,7 +117,8 @@ class Seen:
     """What one rank saw, so the parent can tell the run covered each case."""
 
     rows_kept: int = 0
-    rows_freed: int = 0  # needed a sample, but the slot was freed (and reused) meanwhile
+    rows_freed: int = 0  # needed a sample, but the slot was freed meanwhile
+    rows_reused: int = 0  # ... and another request holds the slot by the consume
     rows_with_drafts: int = 0
     rows_without_drafts: int = 0
     empty_steps: int = 0
@@ -157,7 +158,13 @@ def check_release(
     assert np.array_equal(kept, expected), f"step {rec.step}: kept {kept}, expected {expected}"
     assert np.array_equal(idx[kept], rec.view.idx_mapping_np[kept])
     seen.rows_kept += int(kept.sum())
-    seen.rows_freed += int((rec.need_np & ~expected).sum())
+    freed = rec.need_np & ~expected
+    seen.rows_freed += int(freed.sum())
+    live = checker.workload.live  # slot -> request, as of the step before this one
+    seen.rows_reused += sum(  # freed rows whose slot another request holds by now
+        1 for row in np.flatnonzero(freed)
+        if (r := live.get(int(rec.view.idx_mapping_np[row]))) is not None
+        and r.req_id != int(rec.req_ids_np[row]))
     with_drafts = case.proposes(rec.step)
     seen.rows_with_drafts += int(kept.sum()) if with_drafts else 0
     seen.rows_without_drafts += 0 if with_drafts else int(kept.sum())
@@ -286,6 +293,7 @@ def test_vllm_call_sequences_deliver_every_row_exactly(case: Case, tmp_path: Pat
     receivers = seen[:-1]
     for s in receivers:
         assert s.rows_kept > 0 and s.rows_freed > 0 and s.empty_steps > 0
+        assert s.rows_reused > 0  # slot reuse within D steps, rows still excluded
         if case.K:
             assert s.rows_with_drafts > 0
         if case.no_drafts_every:
