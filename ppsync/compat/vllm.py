@@ -1,15 +1,22 @@
-"""A drop-in for vLLM's ``PPHandler``: its method names and return values, on
-top of :class:`ppsync.core.handler.TokenPath`.
+"""A drop-in for vLLM's ``PPHandler`` (Model Runner V2): its method names and
+return values, on top of :class:`ppsync.core.handler.TokenPath`.
 
-Only the interface carries over from vLLM. Per engine step, every rank calls,
-in this order:
+Only the interface carries over from vLLM. One class serves vLLM 0.32's and
+0.33's interfaces (see :mod:`ppsync.compat.vllm_interface`), chosen by
+``interface=`` or from the installed vLLM; a call in the other interface's
+shape raises :class:`ProtocolError` naming both. Per engine step, every rank
+calls, in this order:
 
 1. :meth:`PPHandler.get_prev_sampled_outputs` and applies what it returns
    (non-last ranks: step T-D's tokens; the last rank: None);
-2. :meth:`PPHandler.on_req_idx_freed` for each freed request slot;
+2. :meth:`PPHandler.on_req_idx_freed` for each freed request slot (a request
+   finished, preempted, or re-added as a streaming input);
 3. then, with the step's ``input_batch``: non-last ranks
    :meth:`PPHandler.receive`; the last rank :meth:`PPHandler.broadcast` and,
-   when K > 0, :meth:`PPHandler.broadcast_drafts`.
+   when K > 0 and the step proposes drafts, :meth:`PPHandler.broadcast_drafts`.
+
+A step with an empty schedule stops after 1. on every rank (vLLM skips
+``sample_tokens``): its ring slot stays empty, nothing is sent.
 
 With K > 0 the last rank's tokens and drafts travel as one frame (docs/design.md
 §4): ``broadcast`` checks the step and holds it, ``broadcast_drafts`` sends it
@@ -24,28 +31,55 @@ start of step T+1, before the last rank reaches its next ``broadcast``.
 An ``input_batch`` is any object with the attributes that
 :func:`ppsync.core.batch.batch_view_of` reads: ``num_reqs``, ``idx_mapping_np``,
 ``num_computed_tokens_np``, ``num_scheduled_tokens``, ``prefill_len_np`` and,
-optionally, ``max_seq_len_np`` and ``is_prefilling_np``.
+optionally, ``max_seq_len_np`` and ``is_prefilling_np`` (vLLM: ``np.intp``
+slots, ``np.int32`` counts, ``max_seq_len_np`` only when the batch holds a
+prefill); interface 0.33 also reads ``num_draft_tokens``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from types import TracebackType
+from typing import Literal, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ppsync.compat.vllm_checks import (
+    NOT_GIVEN,
+    check_empty_table,
+    check_held_batch,
+    check_recv_drafts,
+    detached,
+    other_interface,
+    rebuilt_like,
+    step_width,
+)
+from ppsync.compat.vllm_interface import Interface, relay_keys_of, resolve_interface
 from ppsync.core.aux_relay import AuxRelay
-from ppsync.core.batch import batch_view_of, validate_batch
-from ppsync.core.checks import check_draft_table
+from ppsync.core.batch import batch_view_of
+from ppsync.core.checks import check_draft_table, check_step_drafts
 from ppsync.core.groups import token_group
 from ppsync.core.handler import CallNames, PreparedStep, TokenPath
+from ppsync.core.liveness import FailureBoard
 from ppsync.errors import BatchError, ConfigError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 
-__all__ = ["PPHandler"]
+__all__ = ["PPHandler", "SampledOutputs"]
+
+T = TypeVar("T")
+
+
+class SampledOutputs(TypedDict):
+    """What :meth:`PPHandler.get_prev_sampled_outputs` returns on a non-last
+    rank: step T-D's outputs, on the handler's device."""
+
+    sampled_tokens: torch.Tensor  # [num_reqs, w] int64, -1 padded; w = L, or 0.33's step width
+    num_sampled: torch.Tensor  # [num_reqs] int32
+    num_rejected: torch.Tensor  # [num_reqs] int32
+    idx_mapping: torch.Tensor  # [num_reqs] int64, -1 = excluded row
+    draft_tokens: NotRequired[torch.Tensor | None]  # 0.33 only: [num_reqs, K] int64 or None
 
 VLLM_NAMES = CallNames(consume="get_prev_sampled_outputs", post="receive", publish="broadcast")
 
@@ -55,10 +89,15 @@ class PPHandler:
 
     ``group`` is the PP group (None: the default group, passed explicitly
     here, never looked up further down). The handler makes its own token
-    group with the same ranks (rule 6 of docs/design.md), collectively over the PP
-    group's members only, so every member must construct its handler at the
-    same point. ``ring_depth`` is D (None: pp_size); ``timeout_s`` bounds
-    every wait. Bad values raise :class:`ConfigError` before any collective.
+    group with the same ranks (rule 6 of docs/design.md), over gloo because frames
+    are host buffers, collectively over the PP group's members only, so every
+    member must construct its handler at the same point. ``ring_depth`` is D
+    (None: pp_size); ``timeout_s`` bounds every wait; ``interface`` is
+    ``"0.32"``, ``"0.33"`` or None (the installed vLLM's; "0.32" without
+    vLLM); ``board``: where ranks post failures, so that every rank learns of a
+    desync or a lost peer that one rank saw ("group", the default: in the
+    token group's own store; None: no board). Bad values raise :class:`ConfigError`
+    before any collective.
     """
 
     def __init__(
@@ -70,7 +109,10 @@ class PPHandler:
         group: dist.ProcessGroup | None = None,
         ring_depth: int | None = None,
         timeout_s: float = 60.0,
+        interface: str | None = None,
+        board: FailureBoard | Literal["group"] | None = "group",
     ) -> None:
+        self.interface: Interface = resolve_interface(interface)
         if not dist.is_initialized():
             raise ConfigError(
                 "torch.distributed is not initialized: call init_process_group() before "
@@ -91,8 +133,8 @@ class PPHandler:
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         self.config = config
-        self._path = TokenPath(config, token_group(pp_group, timeout_s=config.timeout_s),
-                               names=VLLM_NAMES)
+        tokens = token_group(pp_group, timeout_s=config.timeout_s, backend="gloo")
+        self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES)
         self._aux = AuxRelay()
         self._held: PreparedStep | None = None  # last rank, K > 0: waiting for its drafts
 
@@ -109,38 +151,74 @@ class PPHandler:
         return self._path
 
     def on_req_idx_freed(self, req_idx: int) -> None:
-        """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
+        """Request slot ``req_idx`` was freed (finish, abort, preemption, a
+        streaming request re-added)."""
         self._path.free(req_idx)
 
     def get_prev_sampled_outputs(
-        self, draft_tokens_to_update: torch.Tensor | None = None  # [max_num_reqs, K]
-    ) -> dict[str, torch.Tensor] | None:
-        """Start a step. Non-last ranks: release the step received D steps ago,
-        as ``{"sampled_tokens": [num_reqs, L] int64, "num_sampled": [num_reqs]
-        int32, "num_rejected": [num_reqs] int32, "idx_mapping": [num_reqs]
-        int64, -1 = excluded}`` on ``device``; drafts of kept rows go into
-        ``draft_tokens_to_update[slot]``. None for an empty ring slot or when
-        every row is excluded. The last rank: sends a step still held for its
-        drafts, without them, and returns None."""
+        self, draft_tokens_to_update: torch.Tensor | None = None  # 0.32: [max_num_reqs, K]
+    ) -> SampledOutputs | None:
+        """Start a step. Non-last ranks: release the step received D steps
+        ago (see :class:`SampledOutputs`); None for an empty ring slot or when
+        every row is excluded. Interface 0.32 scatters the drafts of kept rows
+        into ``draft_tokens_to_update[slot]`` (with K = 0 the table is
+        ``[max_num_reqs, 0]`` and nothing is scattered); 0.33 takes no table
+        and returns the drafts as ``draft_tokens``. The last rank: sends a
+        step still held for its drafts, without them, and returns None."""
+        if self.interface == "0.33" and draft_tokens_to_update is not None:
+            raise other_interface(self.interface,
+                "get_prev_sampled_outputs(draft_tokens_to_update)",
+                "get_prev_sampled_outputs() takes no draft table; the drafts come back as "
+                "'draft_tokens'")
         if self._path.is_last:
             self._check_open("get_prev_sampled_outputs")
             self._flush_held()
             return None
+        table = draft_tokens_to_update
+        if table is not None and self.config.num_speculative_steps == 0:
+            check_empty_table(table, self.config.max_num_reqs)
+            table = None  # [max_num_reqs, 0]: nothing to scatter
         # called again without receive() between: the step before had an empty
         # schedule and its ring slot stays empty (vLLM skips sample_tokens then)
-        released = self._path.consume(draft_tokens_to_update)
+        released = self._path.consume(table)
         if released is None:
             return None
-        return {k: v.to(self.device) for k, v in released.as_vllm_dict().items()}
+        d = self.device
+        out = SampledOutputs(
+            sampled_tokens=released.sampled_tokens.to(d),
+            num_sampled=released.num_sampled.to(d),
+            num_rejected=released.num_rejected.to(d),
+            idx_mapping=released.idx_mapping.to(d),
+        )
+        if self.interface == "0.33":
+            drafts = released.draft_tokens
+            out["draft_tokens"] = None if drafts is None else drafts.to(d)
+        return out
 
     # -- non-last ranks -------------------------------------------------------
 
-    def receive(self, input_batch: object) -> bool:
+    def receive(self, input_batch: object, recv_drafts: object = NOT_GIVEN) -> bool:
         """Post this step's receive. True iff every row needs a sample; False
-        when some row does not, or the step has no transfer at all."""
+        when some row does not, or the step has no transfer at all.
+
+        Interface 0.33: ``recv_drafts`` says whether the last rank calls
+        ``broadcast_drafts`` this step; a frame that disagrees raises
+        :class:`DesyncError` at its consume (on every rank, with a board)."""
+        expect: bool | None = None
+        width: int | None = None
+        if self.interface == "0.32":
+            if recv_drafts is not NOT_GIVEN:
+                raise other_interface(self.interface, "receive(input_batch, recv_drafts)",
+                                            "receive() takes input_batch only")
+        else:
+            if recv_drafts is NOT_GIVEN:
+                raise other_interface(self.interface, "receive(input_batch)",
+                                            "receive() takes (input_batch, recv_drafts)")
+            expect = check_recv_drafts(recv_drafts, self.config.num_speculative_steps)
+            width = step_width(input_batch, self.config.sample_width)
         view = batch_view_of(input_batch)
         try:
-            needed = self._path.post(view)
+            needed = self._path.post(view, expect_drafts=expect, sample_width=width)
         except ProtocolError:
             if self._path.closed:
                 raise
@@ -160,73 +238,96 @@ class PPHandler:
         input_batch: object,
     ) -> None:
         """Check this step's sampler outputs (all before any collective) and
-        send them; with K > 0, hold them for :meth:`broadcast_drafts`."""
+        send them; with K > 0, hold them for :meth:`broadcast_drafts`.
+        Interface 0.33: the tokens are at most the step's width wide (1 when
+        ``input_batch.num_draft_tokens == 0``), and receivers get that width."""
         self._flush_held()  # the previous step's drafts did not come
-        step, _ = self._path.prepare(
-            batch_view_of(input_batch), sampled_token_ids, num_sampled, num_rejected
-        )
+        width = None
+        if self.interface == "0.33":
+            width = step_width(input_batch, self.config.sample_width)
+        if width is not None:
+            got = getattr(sampled_token_ids, "shape", (0, 0))
+            if len(got) == 2 and got[1] > width:
+                raise BatchError(
+                    f"sampled_token_ids.shape[1] = {got[1]} exceeds this step's sample width "
+                    f"{width} (interface 0.33: L = K + 1 = {self.config.sample_width} only "
+                    "when input_batch.num_draft_tokens > 0, else 1)")
+        step, _ = self._path.prepare(batch_view_of(input_batch), sampled_token_ids,
+                                     num_sampled, num_rejected, sample_width=width)
+        if width == 1 and step.num_rejected_np.any():
+            row = int(np.argmax(step.num_rejected_np != 0))
+            raise BatchError(
+                f"num_rejected[{row}] = {int(step.num_rejected_np[row])} but this step has "
+                "no drafts (input_batch.num_draft_tokens = 0), so nothing can be rejected")
         if self.config.num_speculative_steps == 0:
             self._path.send(step)
         else:
-            self._held = _detached(step)
+            self._held = detached(step)
 
     def broadcast_drafts(
         self,
-        draft_tokens: torch.Tensor,  # [max_num_reqs, K] int64, indexed by request slot
-        input_batch: object,
+        draft_tokens: torch.Tensor,  # 0.32: [max_num_reqs, K] by request slot; 0.33: [num_reqs, K]
+        input_batch: object = NOT_GIVEN,  # 0.32 only
     ) -> None:
-        """Send the held step with ``draft_tokens[idx_mapping]`` as one frame.
+        """Send the held step with its drafts as one frame: interface 0.32
+        gathers ``draft_tokens[idx_mapping]`` from the table and checks that
+        ``input_batch`` is the held step's; 0.33 takes them gathered.
 
-        Raises :class:`BatchError` when K = 0, the table is malformed, or
+        Raises :class:`BatchError` when K = 0, the drafts are malformed, or
         ``input_batch`` is not the held step's batch; :class:`ProtocolError`
         when no :meth:`broadcast` of this step holds a frame. On any error the
         held step stays held and goes without drafts when the next step starts."""
         self._check_open("broadcast_drafts")
         self._path.require_role("broadcast_drafts", last=True)
-        table_np = check_draft_table(
-            draft_tokens,
-            max_num_reqs=self.config.max_num_reqs,
-            num_drafts=self.config.num_speculative_steps,
-        )
+        if self.interface == "0.32" and input_batch is NOT_GIVEN:
+            raise other_interface(self.interface,
+                "broadcast_drafts(draft_tokens)",
+                "broadcast_drafts() takes (draft_tokens [max_num_reqs, K], input_batch)")
+        if self.interface == "0.33" and input_batch is not NOT_GIVEN:
+            raise other_interface(self.interface,
+                "broadcast_drafts(draft_tokens, input_batch)",
+                "broadcast_drafts() takes the drafts [num_reqs, K] only, already gathered")
+        K = self.config.num_speculative_steps
+        table_np = None
+        if self.interface == "0.32":
+            table_np = check_draft_table(draft_tokens, max_num_reqs=self.config.max_num_reqs,
+                                         num_drafts=K)
         held = self._held
         if held is None:
             raise ProtocolError(
                 "broadcast_drafts() without a held step: call broadcast() first in the same "
                 "step, and broadcast_drafts() at most once per step"
             )
-        view = batch_view_of(input_batch)
-        validate_batch(view, self.config.max_num_reqs)
-        idx_np = held.view.idx_mapping_np
-        if view.num_reqs != held.view.num_reqs:
-            raise BatchError(
-                f"input_batch.num_reqs = {view.num_reqs} but the held step has "
-                f"num_reqs = {held.view.num_reqs}; broadcast_drafts() takes broadcast()'s batch"
-            )
-        if not np.array_equal(view.idx_mapping_np, idx_np):
-            row = int(np.argmax(view.idx_mapping_np != idx_np))
-            raise BatchError(
-                f"input_batch.idx_mapping[{row}] = {int(view.idx_mapping_np[row])} but the "
-                f"held step has {int(idx_np[row])}; broadcast_drafts() takes broadcast()'s batch"
-            )
-        drafts_np = table_np[idx_np]  # [num_reqs, K], a gather: owns its memory
+        if table_np is None:
+            drafts_np = check_step_drafts(draft_tokens, num_reqs=held.view.num_reqs,
+                                          num_drafts=K)
+        else:
+            check_held_batch(held, input_batch, self.config.max_num_reqs)
+            drafts_np = table_np[held.view.idx_mapping_np]  # [num_reqs, K], owns its memory
         self._held = None  # cleared first: a failed send is never retried
         self._path.send(held, drafts_np)
 
     # -- aux hidden states (rule 7) --------------------------------------------
 
-    def configure_aux_hidden_state_relay(self, keys: Sequence[str]) -> None:
-        """Relay the intermediate tensors named ``keys`` from the upstream
-        stage to the next (an empty sequence turns relaying off)."""
+    def configure_aux_hidden_state_relay(self, model: torch.nn.Module | Sequence[str]) -> None:
+        """Relay the named intermediate tensors from the upstream stage to
+        the next: given vLLM's model, the keys vLLM's EAGLE3 helper names for
+        it on this rank; or the keys themselves (empty: relaying off)."""
+        keys = relay_keys_of(model) if isinstance(model, torch.nn.Module) else model
         self._aux.configure(keys)
 
     def relay_aux_hidden_states(
-        self, intermediate_tensors: object | None, output_intermediate_tensors: object
-    ) -> Mapping[str, torch.Tensor]:
+        self, intermediate_tensors: object | None, output_intermediate_tensors: T
+    ) -> T:
         """``output_intermediate_tensors`` plus the configured keys taken from
-        ``intermediate_tensors`` (mappings, or objects with ``.tensors``).
-        Unchanged output when no keys are configured; :class:`BatchError`
+        ``intermediate_tensors``, as the type it was given (a mapping, or an
+        object with ``.tensors`` such as vLLM's IntermediateTensors, rebuilt).
+        The output itself when no keys are configured; :class:`BatchError`
         naming the key when one is missing upstream or there is no upstream."""
-        return self._aux.relay(intermediate_tensors, output_intermediate_tensors)
+        merged = self._aux.relay(intermediate_tensors, output_intermediate_tensors)
+        if not self._aux.keys:
+            return output_intermediate_tensors
+        return rebuilt_like(output_intermediate_tensors, merged)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -267,27 +368,3 @@ class PPHandler:
     def _check_open(self, op: str) -> None:
         if self._path.closed:
             raise ProtocolError(f"{op}() after close()")
-
-
-def _detached(step: PreparedStep) -> PreparedStep:
-    """``step`` with its own copies of every array: on CPU, ``prepare`` reads
-    the caller's tensors and batch arrays without copying, and an engine may
-    refill those buffers before a held step is sent."""
-    v = step.view
-    view = replace(
-        v,
-        idx_mapping_np=v.idx_mapping_np.copy(),
-        num_computed_tokens_np=v.num_computed_tokens_np.copy(),
-        num_scheduled_tokens_np=v.num_scheduled_tokens_np.copy(),
-        prefill_len_np=v.prefill_len_np.copy(),
-        max_seq_len_np=None if v.max_seq_len_np is None else v.max_seq_len_np.copy(),
-        is_prefilling_np=None if v.is_prefilling_np is None else v.is_prefilling_np.copy(),
-    )
-    return replace(
-        step,
-        view=view,
-        need_np=step.need_np.copy(),
-        tokens_np=step.tokens_np.copy(),
-        num_sampled_np=step.num_sampled_np.copy(),
-        num_rejected_np=step.num_rejected_np.copy(),
-    )

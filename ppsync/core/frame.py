@@ -2,7 +2,7 @@
 
 Layout (int64 words)::
 
-    header  [HEADER_WORDS]            magic|version, seq, num_reqs, L, K, flags,
+    header  [HEADER_WORDS]            magic|version, seq, num_reqs, w, K, flags,
                                       idx_digest, checksum
     rows    [R, W], W = L + 4 + K     tokens[L], num_sampled, num_rejected, drafts[K],
                                       slot_need, num_computed
@@ -15,11 +15,13 @@ disagree about one row (another prefill_len, say) get a DesyncError naming
 that row, the field and both values, instead of a placeholder kept as a token
 or a real token dropped.
 
-R is max_num_reqs in the fixed wire mode (every frame of a group has one
-shape, so ranks that disagree about num_reqs cannot deadlock or tear the
-collective: the header check names the disagreement instead) and num_reqs in
-the exact mode. Row-major rows keep a step's used payload contiguous, so the
-checksum is one dot product over ``num_reqs * W`` words.
+w is the step's sample width: L unless the engine varies it per step
+(tokens beyond w are -1 padding). R is max_num_reqs in the fixed wire mode
+(every frame of a group has one shape, so ranks that disagree about num_reqs
+cannot deadlock or tear the collective: the header check names the
+disagreement instead) and num_reqs in the exact mode. Row-major rows keep a
+step's used payload contiguous, so the checksum is one dot product over
+``num_reqs * W`` words.
 
 ``seq`` counts frames sent on the group (steps with no transfer send none),
 so an engine that skips calls on empty steps keeps its ranks in agreement.
@@ -33,7 +35,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from ppsync.errors import DesyncError
+from ppsync.errors import BatchError, DesyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_EXACT, FLAG_HAS_DRAFTS, FRAME_FORMAT_VERSION
 
@@ -68,13 +70,20 @@ class FrameView:
     idx_digest: int
     slot_need_np: np.ndarray | None = None  # [num_reqs] int64, see slot_need_words
     computed_np: np.ndarray | None = None  # [num_reqs] int, num_computed_tokens
+    sample_width: int | None = None
+    """The step's sample width w, 1 <= w <= L, for engines whose width varies
+    per step (vLLM 0.33: 1 without drafts); None = L. The header carries it,
+    so a receiver that disagrees gets a DesyncError, never cut tokens."""
+
+    def width(self, codec: FrameCodec) -> int:
+        return codec.sample_width if self.sample_width is None else self.sample_width
 
     def as_dict(self, codec: FrameCodec) -> dict[str, int]:
         return {
             "version": FRAME_FORMAT_VERSION,
             "seq": self.seq,
             "num_reqs": self.num_reqs,
-            "sample_width": codec.sample_width,
+            "sample_width": self.width(codec),
             "num_drafts": codec.num_drafts,
             "idx_digest": self.idx_digest,
         }
@@ -176,7 +185,7 @@ class FrameCodec:
         rows[:, self.col_slot_need] = 0 if view.slot_need_np is None else view.slot_need_np
         rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
         buf_np[:_H_CSUM] = (
-            _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, L, self.num_drafts, flags,
+            _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, view.width(self), self.num_drafts, flags,
             view.idx_digest,
         )
         checksum = self._checksum(buf_np, n)
@@ -207,7 +216,7 @@ class FrameCodec:
             head[_H_MAGIC] == (_MAGIC | FRAME_FORMAT_VERSION)
             and head[_H_SEQ] == view.seq
             and head[_H_NREQS] == n
-            and head[_H_L] == self.sample_width
+            and head[_H_L] == view.width(self)
             and head[_H_K] == self.num_drafts
         ):
             self._raise_header(buf_np, view, rank)
@@ -264,3 +273,28 @@ class FrameCodec:
             expected=mine,
             received=got,
         )
+
+
+def check_sample_width(sample_width: int | None, L: int) -> None:
+    """A step's own sample width: None (= L) or an int in [1, L]."""
+    if sample_width is None:
+        return
+    if isinstance(sample_width, bool) or not isinstance(sample_width, int):
+        raise BatchError(f"sample_width = {sample_width!r} must be an int or None")
+    if not 1 <= sample_width <= L:
+        raise BatchError(f"sample_width = {sample_width} must lie in [1, L = {L}] "
+                         "(L = num_speculative_steps + 1)")
+
+
+def drafts_desync(
+    rank: int, seq: int, expected: bool, has_drafts: bool, header: dict[str, int]
+) -> DesyncError:
+    """A frame whose FLAG_HAS_DRAFTS disagrees with what its receiver expected."""
+    want, got = ("drafts", "none") if expected else ("no drafts", "drafts")
+    return DesyncError(
+        f"rank {rank}: frame seq {seq}: this rank expects {want} (expect_drafts = "
+        f"{expected}; vLLM's recv_drafts) but the last rank sent {got} "
+        f"(FLAG_HAS_DRAFTS {'set' if has_drafts else 'clear'})",
+        expected={"seq": seq, "has_drafts": int(expected)},
+        received={**header, "has_drafts": int(has_drafts)},
+    )

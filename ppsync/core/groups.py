@@ -29,11 +29,15 @@ def _timeout(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_s)
 
 
-def token_group(pp_group: dist.ProcessGroup, *, timeout_s: float) -> dist.ProcessGroup:
-    """A new group with ``pp_group``'s ranks; collective over its members only."""
+def token_group(
+    pp_group: dist.ProcessGroup, *, timeout_s: float, backend: str | None = None
+) -> dist.ProcessGroup:
+    """A new group with ``pp_group``'s ranks; collective over its members only.
+    ``backend``: None = the default group's (e.g. "gloo" for host frames in a
+    world whose default backend is nccl)."""
     ranks = dist.get_process_group_ranks(pp_group)
     group: dist.ProcessGroup | None = dist.new_group(
-        ranks, timeout=_timeout(timeout_s), use_local_synchronization=True
+        ranks, timeout=_timeout(timeout_s), backend=backend, use_local_synchronization=True
     )
     assert group is not None  # this rank is a member of pp_group
     return group

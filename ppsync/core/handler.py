@@ -37,7 +37,13 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
 from ppsync.core.dumps import dump_file, dump_on_error, register, write_dump
-from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
+from ppsync.core.frame import (
+    FrameCodec,
+    FrameView,
+    check_sample_width,
+    drafts_desync,
+    slot_need_words,
+)
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
@@ -82,6 +88,7 @@ class PendingStep:
     gen_np: np.ndarray  # [num_reqs] int64 generation snapshot
     buf: torch.Tensor  # [words] int64 frame buffer the receive fills
     work: dist.Work
+    expect_drafts: bool | None = None  # None: take the frame's word for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,7 @@ class PreparedStep:
     tokens_np: np.ndarray  # [num_reqs, w] int
     num_sampled_np: np.ndarray  # [num_reqs] int
     num_rejected_np: np.ndarray  # [num_reqs] int
+    sample_width: int | None = None  # the step's width w in the header; None = L
 
     @property
     def num_needed(self) -> int:
@@ -312,11 +320,15 @@ class TokenPath:
         num_sampled: torch.Tensor,
         num_rejected: torch.Tensor,
         draft_tokens: torch.Tensor | None = None,
+        *,
+        sample_width: int | None = None,
     ) -> tuple[PreparedStep, np.ndarray | None]:
         """Check one step's batch view, sampler outputs and (optional) drafts
         [num_reqs, K] (last rank); nothing is sent. Returns the prepared step
-        and the drafts' host array."""
+        and the drafts' host array. ``sample_width``: this step's width w
+        (1..L; tokens at most w wide), for engines that vary it per step."""
         self._check_role(self.names.publish, last=True)
+        check_sample_width(sample_width, self.config.sample_width)
         validate_batch(view, self.config.max_num_reqs)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
@@ -327,7 +339,11 @@ class TokenPath:
         drafts_np = None if draft_tokens is None else check_step_drafts(
             draft_tokens, num_reqs=view.num_reqs, num_drafts=self.config.num_speculative_steps,
         )
-        return PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np), drafts_np
+        if sample_width is not None and tokens_np.shape[1] > sample_width:
+            raise BatchError(f"sampled_token_ids.shape[1] = {tokens_np.shape[1]} exceeds the "
+                             f"step's sample width {sample_width}")
+        step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
+        return step, drafts_np
 
     def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
@@ -358,7 +374,7 @@ class TokenPath:
         frame = FrameView(self.seq, v.num_reqs,
                           codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np),
                           slot_need_words(v.idx_mapping_np, step.need_np),
-                          v.num_computed_tokens_np)
+                          v.num_computed_tokens_np, step.sample_width)
         buf = codec.new_buffer(frame.num_reqs)
         flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
                                      step.num_rejected_np, drafts_np)
@@ -385,10 +401,19 @@ class TokenPath:
 
     # -- receivers --------------------------------------------------------
 
-    def post(self, view: BatchView) -> int:
+    def post(
+        self, view: BatchView, *, expect_drafts: bool | None = None,
+        sample_width: int | None = None,
+    ) -> int:
         """Post this step's receive into the ring's tail (non-last ranks).
-        Returns the rows needing a sample; 0 means no transfer this step."""
+        Returns the rows needing a sample; 0 means no transfer this step.
+        ``expect_drafts``: whether the frame must carry drafts (a frame that
+        disagrees is a DesyncError at consume); ``sample_width``: the step's
+        width w (1..L), checked against the header and the width released."""
         self._check_role(self.names.post, last=False)
+        check_sample_width(sample_width, self.config.sample_width)
+        if expect_drafts is not None and not isinstance(expect_drafts, bool):
+            raise BatchError(f"expect_drafts = {expect_drafts!r} must be a bool or None")
         if not self._tail_open:
             c, p = self.names.consume, self.names.post
             raise ProtocolError(
@@ -408,14 +433,13 @@ class TokenPath:
         frame = FrameView(self.seq, view.num_reqs,
                           self.codec.idx_digest(idx_np, view.num_computed_tokens_np),
                           slot_need_words(idx_np, need),
-                          view.num_computed_tokens_np.astype(np.int64))
+                          view.num_computed_tokens_np.astype(np.int64), sample_width)
         buf = self.codec.new_buffer(frame.num_reqs)
         work = self._issue(buf)
         self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
                             needed, frame.idx_digest, 0, 0)
-        self.ring.fill_tail(
-            PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np), buf, work)
-        )
+        self.ring.fill_tail(PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np),
+                                        buf, work, expect_drafts))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
@@ -482,18 +506,23 @@ class TokenPath:
     ) -> ReleasedStep:
         buf_np = head.buf.numpy()
         flags = self.codec.check(buf_np, head.frame, rank=self.rank)
+        has_drafts = bool(flags & FLAG_HAS_DRAFTS)
+        if head.expect_drafts is not None and head.expect_drafts != has_drafts:
+            raise drafts_desync(self.rank, head.frame.seq, head.expect_drafts, has_drafts,
+                                self.codec.header_dict(buf_np))
         L = self.config.sample_width
+        w = head.frame.width(self.codec)
         rows = self.codec.rows(buf_np, head.frame.num_reqs)
         idx_out = np.where(keep, head.idx_np, -1)
         drafts = None
-        if flags & FLAG_HAS_DRAFTS:
+        if has_drafts:
             drafts_np = self.codec.drafts(rows).copy()  # a copy: the buffer is recycled
             drafts = torch.from_numpy(drafts_np)
             if table is not None:
                 _scatter(table, head.idx_np[keep], drafts_np[keep])
         return ReleasedStep(
             seq=head.frame.seq,
-            sampled_tokens=torch.from_numpy(rows[:, :L].copy()),
+            sampled_tokens=torch.from_numpy(rows[:, :w].copy()),
             num_sampled=torch.from_numpy(rows[:, L].astype(np.int32)),
             num_rejected=torch.from_numpy(rows[:, L + 1].astype(np.int32)),
             idx_mapping=torch.from_numpy(idx_out),
@@ -550,3 +579,4 @@ def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> No
     else:
         idx = torch.from_numpy(idx_np).to(table.device, non_blocking=True)
         table[idx] = torch.from_numpy(rows_np).to(table.device, table.dtype, non_blocking=True)
+

@@ -30,7 +30,8 @@ class FrameHeader(BaseModel):
     num_reqs: int = Field(ge=0)
     """Rows in the step's batch."""
     sample_width: int = Field(ge=1)
-    """L = K + 1 token columns per row."""
+    """The step's sample width: L = K + 1, or fewer for an engine that varies
+    it per step (vLLM 0.33: 1 when the step verifies no drafts)."""
     num_drafts: int = Field(ge=0)
     """K draft columns per row."""
     flags: int = Field(ge=0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ppsync.compat.vllm import PPHandler
+from ppsync.compat.vllm import PPHandler, SampledOutputs
 from ppsync.errors import BatchError, ConfigError, ProtocolError, RoleError
 from ppsync.services.checker import Checker
 from ppsync.services.launcher import RankEnv, spawn_ranks
@@ -115,7 +115,7 @@ def check_release(
     sc: Scenario,
     checker: Checker,
     now: int,
-    out: dict[str, torch.Tensor] | None,
+    out: SampledOutputs | None,
     table: torch.Tensor | None,  # [max_num_reqs, K] after the call
     before: torch.Tensor | None,  # [max_num_reqs, K] before the call
     seen: Seen,
@@ -128,8 +128,9 @@ def check_release(
         return
     assert out is not None, f"step {now}: nothing released for step {rec.step}"
     assert tuple(out) == KEYS
-    assert [out[k].dtype for k in KEYS] == [torch.int64, torch.int32, torch.int32, torch.int64]
-    assert all(out[k].device == CPU for k in KEYS)
+    values = [out["sampled_tokens"], out["num_sampled"], out["num_rejected"], out["idx_mapping"]]
+    assert [v.dtype for v in values] == [torch.int64, torch.int32, torch.int32, torch.int64]
+    assert all(v.device == CPU for v in values)
     assert torch.equal(out["sampled_tokens"], torch.from_numpy(rec.tokens_np))
     assert torch.equal(out["num_sampled"], torch.from_numpy(rec.num_sampled_np))
     assert torch.equal(out["num_rejected"], torch.from_numpy(rec.num_rejected_np))
@@ -390,7 +391,9 @@ def single_rank(env: RankEnv) -> None:
     assert h.relay_aux_hidden_states(None, out) == out  # no keys: output unchanged
     h.configure_aux_hidden_state_relay(["aux_0", "aux_1"])
     up = Intermediate({"hidden_states": torch.zeros(1), "aux_0": aux0, "aux_1": aux1})
-    merged = h.relay_aux_hidden_states(up, Intermediate(out))
+    relayed = h.relay_aux_hidden_states(up, Intermediate(out))
+    assert type(relayed) is Intermediate  # the type it was given, rebuilt
+    merged = relayed.tensors
     assert set(merged) == {"hidden_states", "aux_0", "aux_1"}
     assert merged["hidden_states"] is hidden
     assert merged["aux_0"] is aux0

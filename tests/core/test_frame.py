@@ -254,6 +254,21 @@ def test_other_speculation_width_is_a_desync() -> None:
     assert err.received["num_drafts"] == 3
 
 
+def test_a_per_step_width_travels_in_the_header() -> None:
+    codec = _codec(3)  # L = 4
+    step = _step(codec, num_reqs=2, w=1)
+    narrow = FrameView(step.view.seq, 2, step.view.idx_digest, sample_width=1)
+    buf_np = codec.new_buffer(2).numpy()
+    codec.pack(buf_np, narrow, step.tokens_np, step.num_sampled_np, step.num_rejected_np, None)
+    assert codec.header_dict(buf_np)["sample_width"] == 1
+    assert codec.check(buf_np, narrow, rank=0) == 0
+    # a receiver that thinks the step is L wide (or another width) is told so
+    _desync(codec, buf_np, step.view, r"sample_width: mine 4 vs sender 1")
+    wide = FrameView(step.view.seq, 2, step.view.idx_digest, sample_width=2)
+    err = _desync(codec, buf_np, wide, r"sample_width: mine 2 vs sender 1")
+    assert err.expected["sample_width"] == 2
+
+
 def test_bad_magic_is_a_version_desync() -> None:
     codec = _codec(1)
     step = _step(codec)

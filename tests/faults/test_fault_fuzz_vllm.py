@@ -292,7 +292,9 @@ def _check_release(h: PPHandler, table: torch.Tensor, r: int, wrong: list[str]) 
     if out is None:
         wrong.append(f"round {s}'s step was not released")
         return 0
-    got = ({k: v.tolist() for k, v in out.items()}, table[torch.tensor(slots(s))].tolist())
+    values = [out["sampled_tokens"], out["num_sampled"], out["num_rejected"], out["idx_mapping"]]
+    got = ({k: v.tolist() for k, v in zip(out, values, strict=True)},
+           table[torch.tensor(slots(s))].tolist())
     want = ({"sampled_tokens": tokens(s).tolist(), "num_sampled": NUM_SAMPLED,
              "num_rejected": NUM_REJECTED, "idx_mapping": slots(s)}, drafts(s).tolist())
     if got != want:
