@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ppsync.errors import ConfigError, PPSyncError
+from ppsync.harness.run import format_table, run_local
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.run import format_table, run_local
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -84,7 +84,7 @@ def _bench_shape(text: str) -> tuple[int, int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ppsync.services.bench import BenchOptions, format_tables, run_bench
+    from ppsync.bench.runner import BenchOptions, format_tables, run_bench
 
     iters = args.iters or (200 if args.hidden else 2000)
     opts = BenchOptions.build(

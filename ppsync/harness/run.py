@@ -9,15 +9,15 @@ import torch.distributed as dist
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
-from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport, RunReport
-from ppsync.services.driver import (
+from ppsync.harness.driver import (
     Backend,
     run_async_rank_blocking,
     run_sync_rank,
     workload_config,
 )
-from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.report import RankReport, RunReport
 
 
 @dataclass(frozen=True, slots=True)

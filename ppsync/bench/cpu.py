@@ -19,14 +19,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ppsync.bench.common import FixedStep, cpu_now, fixed_step
+from ppsync.bench.model import BenchOptions, pct_us
 from ppsync.core.batch import validate_batch
 from ppsync.core.checks import check_sampled, check_step_drafts
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.released import ReleasedStep
-from ppsync.services.bench_common import FixedStep, cpu_now, fixed_step
-from ppsync.services.bench_model import BenchOptions, pct_us
 
 
 class _Micro:

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
+from ppsync.harness.checker import Checker
+from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
-from ppsync.services.checker import Checker
 from ppsync.services.runtime import open_rank
-from ppsync.services.workload import ScheduledStep, Workload, WorkloadConfig
 
 Backend = Literal["asyncio", "trio"]
 
