@@ -1,44 +1,18 @@
-"""Run the synthetic workload over P local ranks and gather a RunReport."""
+"""Run the synthetic workload over local ranks and gather a RunReport;
+the table that ``ppsync launch`` and ``ppsync run`` print."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
-from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
-from ppsync.harness.driver import (
-    Backend,
-    run_async_rank_blocking,
-    run_sync_rank,
-    workload_config,
-)
-from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.core.groups import pipeline_layout
+from ppsync.harness.driver import Backend
+from ppsync.harness.launcher import spawn_world
+from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport, RunReport
+from ppsync.schemas.report import RunReport
 
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    """How ``run_local`` drives the ranks (beyond the token path's config)."""
-
-    steps: int
-    seed: int = 0
-    backend: Backend | None = None  # None: the synchronous core
-    jitter_us: float = 0.0  # per rank per step, a random pause in [0, jitter_us]
-    knobs: dict[str, object] = field(default_factory=dict)  # WorkloadConfig overrides
-
-
-def _rank(config: SyncConfig, opts: RunOptions, env: RankEnv) -> RankReport:
-    group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
-    wcfg = workload_config(config, steps=opts.steps, seed=opts.seed, **opts.knobs)
-    board = env.failure_board(group)
-    if opts.backend is None:
-        path = TokenPath(config, group, board=board)
-        return run_sync_rank(path, wcfg, jitter_us=opts.jitter_us)
-    return run_async_rank_blocking(config, group, wcfg, opts.backend, board, opts.jitter_us)
+__all__ = ["RunOptions", "format_table", "run_local"]
 
 
 def run_local(
@@ -49,36 +23,42 @@ def run_local(
     backend: Backend | None = None,
     jitter_us: float = 0.0,
     knobs: dict[str, object] | None = None,
+    world_size: int | None = None,
+    progress_s: float | None = None,
 ) -> RunReport:
-    """Spawn ``config.pp_size`` gloo ranks on 127.0.0.1, run ``steps`` steps of
-    the workload through the synchronous token path (``backend`` None) or the
-    anyio services on ``backend``, and report."""
-    opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}))
-    target = functools.partial(_rank, config, opts)
+    """Spawn ``world_size`` (default ``config.pp_size``) gloo ranks on
+    127.0.0.1, each running the rank code of ``ppsync run``
+    (:func:`~ppsync.harness.rank.run_rank`), ``steps`` steps of the workload
+    through the synchronous token path (``backend`` None) or the anyio services
+    on ``backend``, and report."""
+    opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}), progress_s)
+    target = functools.partial(run_rank, config, opts)
+    world = config.pp_size if world_size is None else world_size
+    pipeline_layout(world, config.pp_size)  # a bad ratio fails here, before any process
     # the whole run gets the collective timeout plus the time the steps take
-    budget = config.timeout_s + steps * (0.01 + jitter_us / 1e6) * config.pp_size
-    ranks = spawn_ranks(target, config.pp_size, timeout_s=budget)
-    return RunReport(config=config, steps=steps, seed=seed,
-                     mode="sync" if backend is None else "async", ranks=ranks)
+    budget = config.timeout_s + steps * (0.01 + jitter_us / 1e6) * world
+    return spawn_world(target, world, timeout_s=budget)[0]
 
 
 def format_table(report: RunReport) -> str:
-    """The per-rank table ``ppsync launch`` prints."""
-    head = (f"{'rank':>4} {'role':<8} {'steps':>6} {'transfers':>9} {'sent':>7} "
+    """The per-rank table: one row per world rank, with its PP group."""
+    head = (f"{'rank':>4} {'group':>5} {'role':<8} {'steps':>6} {'transfers':>9} {'sent':>7} "
             f"{'expected':>8} {'delivered':>9} {'lost':>5} {'stale':>5} {'dup':>4} "
             f"{'corrupt':>7} {'p50_us':>8} {'p99_us':>8} {'rss_mb':>13}")
     lines = [head]
     for r in report.ranks:
+        rank = r.rank if r.global_rank is None else r.global_rank
         lines.append(
-            f"{r.rank:>4} {r.role:<8} {r.steps:>6} {r.transfers:>9} {r.rows_sent:>7} "
-            f"{r.rows_expected:>8} {r.rows_delivered:>9} {r.lost:>5} {r.stale:>5} "
-            f"{r.duplicated:>4} {r.corrupt:>7} {r.sync_us_p50:>8.1f} {r.sync_us_p99:>8.1f} "
-            f"{r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}"
+            f"{rank:>4} {r.pp_group:>5} {r.role:<8} {r.steps:>6} {r.transfers:>9} "
+            f"{r.rows_sent:>7} {r.rows_expected:>8} {r.rows_delivered:>9} {r.lost:>5} "
+            f"{r.stale:>5} {r.duplicated:>4} {r.corrupt:>7} {r.sync_us_p50:>8.1f} "
+            f"{r.sync_us_p99:>8.1f} {r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}"
         )
     c = report.config
+    world = c.pp_size if report.world_size is None else report.world_size
     verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt" if report.ok else "FAULTS"
     lines.append(
-        f"pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
+        f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
         f"max_num_reqs={c.max_num_reqs} wire={c.wire} mode={report.mode} -> {verdict}"
     )
     return "\n".join(lines)

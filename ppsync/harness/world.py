@@ -1,0 +1,100 @@
+"""One rank's world from torchrun's environment convention.
+
+``ppsync run`` is configured only by the environment that torchrun, a
+docker-compose service or a scheduler sets: RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT. Every variable is checked before anything connects,
+and a bad one is a :class:`ConfigError` that names it.
+
+The store at MASTER_ADDR:MASTER_PORT carries the rendezvous and the failure
+board. Who hosts it decides what survivors can say when a rank dies:
+
+- torchrun (c10d rendezvous) sets ``TORCHELASTIC_USE_AGENT_STORE=True``: the
+  agent on the first node hosts the store, every worker is a client, and the
+  store outlives any worker, so survivors name the lost rank. ``ppsync
+  launch`` does the same with a store process of its own.
+- plain env:// (no agent): rank 0's process hosts the store. If any other rank
+  dies, survivors name it as above. If rank 0 dies, the store dies with it:
+  the board can no longer be read, and survivors still fail typed and within
+  the timeout (:class:`~ppsync.errors.PeerLost` or
+  :class:`~ppsync.errors.SyncTimeout`), but without naming the lost rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from ppsync.errors import ConfigError
+
+VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _int(env: Mapping[str, str], name: str, low: int, high: int | None, rule: str) -> int:
+    text = env.get(name)
+    if text is None or not text.strip():
+        raise ConfigError(
+            f"environment variable {name} is not set; ppsync run takes its place in the "
+            f"world from torchrun's environment ({', '.join(VARIABLES)})"
+        )
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name} = {text!r} must be an integer ({rule})") from None
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{name} = {value} must be {rule}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class WorldEnv:
+    """This process's place in the world, as the environment gives it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # the store is hosted outside the ranks (torchrun's agent, launch)
+    attempt: str  # keys of one torchrun restart do not mix with another's
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> WorldEnv:
+        """Read and check the variables; raises :class:`ConfigError` naming
+        the first one that is missing or malformed."""
+        world_size = _int(env, "WORLD_SIZE", 1, None, ">= 1")
+        rank = _int(env, "RANK", 0, world_size - 1,
+                    f"in [0, WORLD_SIZE - 1 = {world_size - 1}]")
+        local_rank = _int(env, "LOCAL_RANK", 0, None, ">= 0")
+        addr = env.get("MASTER_ADDR", "").strip()
+        if not addr:
+            raise ConfigError(
+                "environment variable MASTER_ADDR is not set; it names the host of "
+                "the rank-0 store (a host name or an address)"
+            )
+        port = _int(env, "MASTER_PORT", 1, 65535, "in [1, 65535]")
+        return cls(
+            rank=rank, world_size=world_size, local_rank=local_rank, master_addr=addr,
+            master_port=port,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        )
+
+    def connect(self, timeout_s: float) -> Store:
+        """Join the store and the gloo world; return this run's part of the
+        store (for failure boards). Bounded by ``timeout_s``."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = TCPStore(
+            self.master_addr, self.master_port, self.world_size,
+            is_master=not self.agent_store and self.rank == 0,
+            timeout=timeout, wait_for_workers=False,
+        )
+        run_store = PrefixStore(f"ppsync/attempt_{self.attempt}", store)
+        dist.init_process_group(
+            "gloo", store=PrefixStore("world", run_store), rank=self.rank,
+            world_size=self.world_size, timeout=timeout,
+        )
+        return run_store
