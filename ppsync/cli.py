@@ -39,7 +39,13 @@ def _at_least(low: int) -> Callable[[str], int]:
 
 _positive = _at_least(1)
 _non_negative = _at_least(0)
-PROGRESS_S = 5.0  # world rank 0's progress line, one per this many seconds
+
+
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{v} must be > 0 seconds")
+    return v
 
 
 def _workload_flags(la: argparse.ArgumentParser) -> None:
@@ -59,8 +65,10 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
-    la.add_argument("--quiet", action="store_true",
-                    help=f"no progress line (rank 0 prints one every {PROGRESS_S:.0f} s)")
+    la.add_argument("--progress-every", type=_seconds, default=5.0, metavar="S",
+                    help="rank 0 prints steps done, steps/s and ETA to stderr every S "
+                    "seconds (default 5)")
+    la.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,7 +158,7 @@ def _launch(args: argparse.Namespace) -> int:
     report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
                        jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
                        world_size=args.world_size,
-                       progress_s=None if args.quiet else PROGRESS_S)
+                       progress_s=None if args.quiet else args.progress_every)
     return _finish(args, report)
 
 
@@ -158,7 +166,8 @@ def _run(args: argparse.Namespace) -> int:
     world = WorldEnv.from_environ(os.environ)
     config = _config(args, args.pp_size or world.world_size)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
-                      {"max_arrivals": args.arrivals}, None if args.quiet else PROGRESS_S)
+                      {"max_arrivals": args.arrivals},
+                      None if args.quiet else args.progress_every)
     report = run_rank(config, opts, world)
     if world.rank == 0:
         return _finish(args, report)

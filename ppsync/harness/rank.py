@@ -93,7 +93,14 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     progress = None
     if opts.progress_s is not None and world.rank == 0:
         progress = Progress(opts.steps + config.depth, opts.progress_s)
-    mine = _run_group(config, opts, group, board, progress)
+    try:
+        mine = _run_group(config, opts, group, board, progress)
+    except Exception:
+        if world.hosts_store:
+            # survivors are still reading the failure board to name the lost
+            # rank: keep the store up for their grace before this process exits
+            time.sleep(board.grace_s + 2 * board.slice_s)
+        raise
     mine = mine.model_copy(update={"global_rank": world.rank, "pp_group": index})
     reports: list[RankReport | None] = [None] * world.world_size
     dist.all_gather_object(reports, mine)

@@ -13,7 +13,8 @@ board. Who hosts it decides what survivors can say when a rank dies:
   store outlives any worker, so survivors name the lost rank. ``ppsync
   launch`` does the same with a store process of its own.
 - plain env:// (no agent): rank 0's process hosts the store. If any other rank
-  dies, survivors name it as above. If rank 0 dies, the store dies with it:
+  dies, survivors name it as above (rank 0, failing too, keeps the store up
+  for the board's grace before it exits). If rank 0 dies, the store dies with it:
   the board can no longer be read, and survivors still fail typed and within
   the timeout (:class:`~ppsync.errors.PeerLost` or
   :class:`~ppsync.errors.SyncTimeout`), but without naming the lost rank.
@@ -83,13 +84,18 @@ class WorldEnv:
             attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0"),
         )
 
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this process serves the store (plain env://, rank 0)."""
+        return not self.agent_store and self.rank == 0
+
     def connect(self, timeout_s: float) -> Store:
         """Join the store and the gloo world; return this run's part of the
         store (for failure boards). Bounded by ``timeout_s``."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = TCPStore(
             self.master_addr, self.master_port, self.world_size,
-            is_master=not self.agent_store and self.rank == 0,
+            is_master=self.hosts_store,
             timeout=timeout, wait_for_workers=False,
         )
         run_store = PrefixStore(f"ppsync/attempt_{self.attempt}", store)
