@@ -10,6 +10,7 @@ typed and bounded when the killed rank was the store's host.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,10 @@ def test_world_not_a_multiple_of_pp_size_exits_2(
 
 
 @pytest.fixture
-def ranks(tmp_path: Path) -> RankProcs:
+def ranks(tmp_path: Path) -> Iterator[RankProcs]:
     procs = RankProcs(tmp_path)
     try:
-        yield procs  # type: ignore[misc]
+        yield procs
     finally:
         procs.close()
 
