@@ -12,7 +12,10 @@ failed), 2 on bad arguments or environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -163,6 +166,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # a stuck rank prints every thread's stack on SIGUSR1 (to stderr, fd 2)
+    with contextlib.suppress(Exception):
+        faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     world = WorldEnv.from_environ(os.environ)
     config = _config(args, args.pp_size or world.world_size)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,

@@ -23,15 +23,24 @@ board. Who hosts it decides what survivors can say when a rank dies:
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ppsync.errors import ConfigError
 
+T = TypeVar("T")
+
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A failure board's store calls are single round trips (ms when healthy). When
+# this rank's link is cut, a store call's reply never comes and TCPStore's
+# client does not give up (measured: still blocked 15 s after a cut with a 1 s
+# store timeout), so the board's calls are bounded by this instead.
+BOARD_STORE_TIMEOUT_S = 1.0
 
 
 def _int(env: Mapping[str, str], name: str, low: int, high: int | None, rule: str) -> int:
@@ -91,16 +100,71 @@ class WorldEnv:
 
     def connect(self, timeout_s: float) -> Store:
         """Join the store and the gloo world; return this run's part of the
-        store (for failure boards). Bounded by ``timeout_s``."""
+        store for failure boards (a connection of its own, with a short
+        timeout). Bounded by ``timeout_s``."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = TCPStore(
             self.master_addr, self.master_port, self.world_size,
             is_master=self.hosts_store,
             timeout=timeout, wait_for_workers=False,
         )
-        run_store = PrefixStore(f"ppsync/attempt_{self.attempt}", store)
+        prefix = f"ppsync/attempt_{self.attempt}"
         dist.init_process_group(
-            "gloo", store=PrefixStore("world", run_store), rank=self.rank,
+            "gloo", store=PrefixStore(f"{prefix}/world", store), rank=self.rank,
             world_size=self.world_size, timeout=timeout,
         )
-        return run_store
+        board = TCPStore(
+            self.master_addr, self.master_port, is_master=False,
+            timeout=datetime.timedelta(seconds=min(timeout_s, BOARD_STORE_TIMEOUT_S)),
+        )
+        return BoundedStore(PrefixStore(prefix, board), min(timeout_s, BOARD_STORE_TIMEOUT_S))
+
+
+class BoundedStore(Store):
+    """A store whose calls give up after ``timeout_s``: each runs on a daemon
+    thread, and one that does not return in time raises TimeoutError and
+    marks the store unreachable (later calls raise at once; the stuck thread
+    is left behind, the rank is failing anyway). For failure boards only:
+    every call is on the error path, so a thread per call costs nothing that
+    matters."""
+
+    def __init__(self, inner: Store, timeout_s: float) -> None:
+        super().__init__()
+        self._inner = inner
+        self._timeout_s = timeout_s
+        self._unreachable = False
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        if self._unreachable:
+            raise TimeoutError("the store did not answer an earlier call")
+        box: list[T] = []
+        error: list[Exception] = []
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box.append(fn())
+            except Exception as e:
+                error.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name="ppsync-board-store", daemon=True).start()
+        if not done.wait(self._timeout_s):
+            self._unreachable = True
+            raise TimeoutError(f"the store did not answer within {self._timeout_s} s")
+        if error:
+            raise error[0]
+        return box[0]
+
+    def set(self, key: str, value: str) -> None:
+        self._call(lambda: self._inner.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda: self._inner.get(key))
+
+    def add(self, key: str, value: int) -> int:
+        return self._call(lambda: self._inner.add(key, value))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda: self._inner.check(keys))
