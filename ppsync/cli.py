@@ -68,6 +68,9 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
+    la.add_argument("--join-timeout", type=_seconds, default=120.0, metavar="S",
+                    help="bound on joining the world: ranks may start seconds apart "
+                    "(default 120)")
     la.add_argument("--progress-every", type=_seconds, default=5.0, metavar="S",
                     help="rank 0 prints steps done, steps/s and ETA to stderr every S "
                     "seconds (default 5)")
@@ -173,7 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size or world.world_size)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
-                      None if args.quiet else args.progress_every)
+                      None if args.quiet else args.progress_every, args.join_timeout)
     report = run_rank(config, opts, world)
     if world.rank == 0:
         return _finish(args, report)

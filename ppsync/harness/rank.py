@@ -10,6 +10,7 @@ the same verdict. ``ppsync launch`` spawns processes that run exactly this.
 
 from __future__ import annotations
 
+import datetime
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ class RunOptions:
     jitter_us: float = 0.0  # per rank per step, a random pause in [0, jitter_us]
     knobs: dict[str, object] = field(default_factory=dict)  # WorkloadConfig overrides
     progress_s: float | None = None  # world rank 0 prints progress this often; None: never
+    join_timeout_s: float = 120.0  # bound on joining the world (ranks start at different times)
 
 
 class Progress:
@@ -86,8 +88,11 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     (the same on every rank). Raises :class:`ConfigError` before connecting
     when WORLD_SIZE is not a multiple of pp_size; any fault raises."""
     layout = pipeline_layout(world.world_size, config.pp_size)
-    store = world.connect(config.timeout_s)
+    store = world.connect(opts.join_timeout_s, config.timeout_s)
     _, group = token_groups(layout, timeout_s=config.timeout_s)
+    # the world group keeps the join timeout; the final gather gets the run's own
+    gather = dist.new_group(list(range(world.world_size)),
+                            timeout=datetime.timedelta(seconds=config.timeout_s))
     index = next(i for i, ranks in enumerate(layout) if world.rank in ranks)
     board = FailureBoard(store, ranks=layout[index], me=world.rank)
     progress = None
@@ -103,7 +108,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
         raise
     mine = mine.model_copy(update={"global_rank": world.rank, "pp_group": index})
     reports: list[RankReport | None] = [None] * world.world_size
-    dist.all_gather_object(reports, mine)
+    dist.all_gather_object(reports, mine, group=gather)
     ranks = [r for r in reports if r is not None]
     return RunReport(
         config=config, steps=opts.steps, seed=opts.seed,

@@ -31,7 +31,7 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from ppsync.errors import ConfigError
+from ppsync.errors import ConfigError, SyncTimeout
 
 T = TypeVar("T")
 
@@ -98,26 +98,35 @@ class WorldEnv:
         """Whether this process serves the store (plain env://, rank 0)."""
         return not self.agent_store and self.rank == 0
 
-    def connect(self, timeout_s: float) -> Store:
+    def connect(self, join_timeout_s: float, timeout_s: float) -> Store:
         """Join the store and the gloo world; return this run's part of the
         store for failure boards (a connection of its own, with a short
-        timeout). Bounded by ``timeout_s``."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = TCPStore(
-            self.master_addr, self.master_port, self.world_size,
-            is_master=self.hosts_store,
-            timeout=timeout, wait_for_workers=False,
-        )
-        prefix = f"ppsync/attempt_{self.attempt}"
-        dist.init_process_group(
-            "gloo", store=PrefixStore(f"{prefix}/world", store), rank=self.rank,
-            world_size=self.world_size, timeout=timeout,
-        )
-        board = TCPStore(
-            self.master_addr, self.master_port, is_master=False,
-            timeout=datetime.timedelta(seconds=min(timeout_s, BOARD_STORE_TIMEOUT_S)),
-        )
-        return BoundedStore(PrefixStore(prefix, board), min(timeout_s, BOARD_STORE_TIMEOUT_S))
+        timeout). Ranks start at different times (containers, image pulls,
+        ``import torch``), so joining, and making groups later, is bounded by
+        ``join_timeout_s``, not by the collectives' ``timeout_s``. Raises
+        :class:`SyncTimeout` when not every rank arrived in time."""
+        timeout = datetime.timedelta(seconds=join_timeout_s)
+        try:
+            store = TCPStore(
+                self.master_addr, self.master_port, self.world_size,
+                is_master=self.hosts_store,
+                timeout=timeout, wait_for_workers=False,
+            )
+            prefix = f"ppsync/attempt_{self.attempt}"
+            dist.init_process_group(
+                "gloo", store=PrefixStore(f"{prefix}/world", store), rank=self.rank,
+                world_size=self.world_size, timeout=timeout,
+            )
+        except RuntimeError as e:  # torch's DistError family: the store, the rendezvous
+            raise SyncTimeout(
+                f"rank {self.rank} of {self.world_size} could not join the world at "
+                f"{self.master_addr}:{self.master_port} within join timeout = "
+                f"{join_timeout_s} s: {type(e).__name__}: {e}"
+            ) from e
+        bound = min(timeout_s, BOARD_STORE_TIMEOUT_S)
+        board = TCPStore(self.master_addr, self.master_port, is_master=False,
+                         timeout=datetime.timedelta(seconds=bound))
+        return BoundedStore(PrefixStore(prefix, board), bound)
 
 
 class BoundedStore(Store):

@@ -125,3 +125,14 @@ def test_when_the_store_host_dies_survivors_fail_typed_and_bounded(ranks: RankPr
     for r, err in errs.items():
         assert took[r] <= TIMEOUT_S + 5, (r, took[r], err)
         assert re.search(rf"ppsync: rank {r}: (PeerLost|SyncTimeout): ", err), err
+
+
+def test_a_rank_whose_peers_never_come_fails_typed_after_the_join_timeout(
+    ranks: RankProcs,
+) -> None:
+    ranks.start(0, rank_env(0, 2, free_port()), ["--steps", "5", "--join-timeout", "2",
+                                                 "--quiet", *ARGS])
+    ended = ranks.wait(60)
+    assert ended[0].code == 1, ended[0].err
+    assert re.search(r"ppsync: rank 0: SyncTimeout: rank 0 of 2 could not join the world at "
+                     r"127\.0\.0\.1:\d+ within join timeout = 2\.0 s", ended[0].err), ended[0].err
