@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,24 @@ demo: $(STAMP)
 soak: $(STAMP)
 	$(VENV)/bin/ppsync launch --pp-size 3 --steps 100000 --spec 3 --max-num-reqs 64 \
 		--arrivals 16 --report soak-report.json
+
+# The container image installs from services/wheels/ with no network: ppsync,
+# the CPU torch and every dependency, as wheels for this Python (3.11, as the
+# image's). From the index or the local cache / find-links; where the CPU
+# torch is not there: make wheelhouse WHEELHOUSE_FLAGS='--extra-index-url
+# https://download.pytorch.org/whl/cpu'
+WHEELS           := services/wheels
+IMAGE_TORCH      ?= torch==2.13.0+cpu
+WHEELHOUSE_FLAGS ?=
+wheelhouse: $(STAMP)
+	mkdir -p $(WHEELS)
+	rm -f $(WHEELS)/ppsync-*.whl
+	$(PY) -m pip wheel -q $(WHEELHOUSE_FLAGS) --wheel-dir $(WHEELS) . '$(IMAGE_TORCH)'
+
+# Runs docker-compose.yml for real with podman (installed by the script, as
+# root): a clean 3-rank run, then one with a container killed mid-run.
+compose-test: wheelhouse
+	services/compose_test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

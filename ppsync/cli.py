@@ -1,9 +1,12 @@
-"""The ``ppsync`` command.
+"""The ``ppsync`` command (also ``python -m ppsync``).
 
-``ppsync launch`` spawns P local gloo ranks, runs the synthetic workload
-through the token path and prints a per-rank table. Exit status: 0 when every
-row arrived exactly once and intact, 1 when anything was lost, stale,
-duplicated or corrupt (or a rank failed), 2 on bad arguments.
+``ppsync run`` is one rank, placed in the world by torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ``ppsync launch``
+spawns the same rank code as local processes. Both run the synthetic workload
+through the token path and print one per-rank table (rank 0 prints it under
+``run``). Exit status, on every rank: 0 when every row arrived exactly once
+and intact, 1 when anything was lost, stale, duplicated or corrupt (or a rank
+failed), 2 on bad arguments or environment.
 """
 
 from __future__ import annotations
@@ -14,11 +17,17 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch.distributed as dist
+
+from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
+from ppsync.harness.rank import RunOptions, run_rank
+from ppsync.harness.run import format_table, run_local
+from ppsync.harness.world import WorldEnv
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.services.run import format_table, run_local
+from ppsync.schemas.report import RunReport
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -35,11 +44,15 @@ _positive = _at_least(1)
 _non_negative = _at_least(0)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ppsync", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    la = sub.add_parser("launch", help="run the workload over P local gloo ranks")
-    la.add_argument("--pp-size", type=_positive, required=True, help="ranks P")
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{v} must be > 0 seconds")
+    return v
+
+
+def _workload_flags(la: argparse.ArgumentParser) -> None:
+    """The flags ``launch`` and ``run`` share (one place for new ones)."""
     la.add_argument("--steps", type=_positive, required=True, help="engine steps")
     la.add_argument("--spec", type=int, default=0, help="speculative steps K (default 0)")
     la.add_argument("--max-num-reqs", type=_positive, default=64, help="request slots")
@@ -55,11 +68,34 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
+    la.add_argument("--join-timeout", type=_seconds, default=120.0, metavar="S",
+                    help="bound on joining the world: ranks may start seconds apart "
+                    "(default 120)")
+    la.add_argument("--progress-every", type=_seconds, default=5.0, metavar="S",
+                    help="rank 0 prints steps done, steps/s and ETA to stderr every S "
+                    "seconds (default 5)")
+    la.add_argument("--quiet", action="store_true", help="no progress line")
     la.add_argument("--flight-events", type=_non_negative, default=4096, metavar="N",
                     help="events each rank's flight recorder keeps (default 4096; 0 = off)")
     la.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
                     help="ranks dump their flight records here on an error, on SIGUSR1 and "
                     f"at exit (default ${DUMP_DIR_ENV}; unset: no dumps)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ppsync", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    la = sub.add_parser("launch", help="run the workload over P local gloo ranks")
+    la.add_argument("--pp-size", type=_positive, required=True, help="ranks P per PP group")
+    la.add_argument("--world-size", type=_positive, default=None,
+                    help="ranks in all (default pp_size; a multiple: tensor x pipeline)")
+    _workload_flags(la)
+    ru = sub.add_parser("run", help="one rank from torchrun's environment (RANK, WORLD_SIZE, "
+                        "LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 prints the table")
+    ru.add_argument("--pp-size", type=_positive, default=None,
+                    help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
+                    "tensor x pipeline)")
+    _workload_flags(ru)
     be = sub.add_parser("bench", help="time the token path against raw broadcasts and "
                         "today's scheme on P local gloo ranks (lockstep and pipelined)")
     be.add_argument("--pp-size", type=_positive, default=2, help="ranks P (default 2)")
@@ -93,7 +129,7 @@ def _bench_shape(text: str) -> tuple[int, int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ppsync.services.bench import BenchOptions, format_tables, run_bench
+    from ppsync.bench.runner import BenchOptions, format_tables, run_bench
 
     iters = args.iters or (200 if args.hidden else 2000)
     opts = BenchOptions.build(
@@ -109,9 +145,11 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace) -> int:
-    config = SyncConfig.build(
-        pp_size=args.pp_size,
+def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
+    if args.jitter_us < 0:
+        raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
+    return SyncConfig.build(
+        pp_size=pp_size,
         max_num_reqs=args.max_num_reqs,
         num_speculative_steps=args.spec,
         ring_depth=args.ring_depth,
@@ -119,13 +157,33 @@ def _launch(args: argparse.Namespace) -> int:
         wire=args.wire,
         flight_events=args.flight_events,
     )
-    if args.jitter_us < 0:
-        raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
-    dump_dir = args.dump_dir or (Path(os.environ[DUMP_DIR_ENV])
-                                 if os.environ.get(DUMP_DIR_ENV) else None)
+
+
+def _dump_dir(args: argparse.Namespace) -> Path | None:
+    """--dump-dir, else $PPSYNC_DUMP_DIR, else None (no dumps)."""
+    if args.dump_dir is not None:
+        return Path(args.dump_dir)
+    env = os.environ.get(DUMP_DIR_ENV)
+    return Path(env) if env else None
+
+
+def _finish(args: argparse.Namespace, report: RunReport) -> int:
+    print(format_table(report), flush=True)
+    if args.report is not None:
+        args.report.write_text(report.model_dump_json(indent=2) + "\n")
+    if not report.ok:
+        point_at_dumps(_dump_dir(args))
+    return 0 if report.ok else 1
+
+
+def _launch(args: argparse.Namespace) -> int:
+    config = _config(args, args.pp_size)
+    dump_dir = _dump_dir(args)
     try:
         report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
                            jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
+                           world_size=args.world_size,
+                           progress_s=None if args.quiet else args.progress_every,
                            dump_dir=dump_dir)
     except ConfigError:
         raise
@@ -133,19 +191,30 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
         point_at_dumps(dump_dir)
         return 1
-    print(format_table(report))
-    if args.report is not None:
-        args.report.write_text(report.model_dump_json(indent=2) + "\n")
-    if not report.ok:
-        point_at_dumps(dump_dir)
+    return _finish(args, report)
+
+
+def _run(args: argparse.Namespace) -> int:
+    # a stuck rank prints every thread's stack on SIGUSR1 (to stderr, fd 2) and,
+    # with a dump directory, dumps its flight record (also on an error, at exit)
+    install_dump_triggers(_dump_dir(args))
+    world = WorldEnv.from_environ(os.environ)
+    config = _config(args, args.pp_size or world.world_size)
+    opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
+                      {"max_arrivals": args.arrivals},
+                      None if args.quiet else args.progress_every, args.join_timeout)
+    report = run_rank(config, opts, world)
+    if world.rank == 0:
+        return _finish(args, report)
     return 0 if report.ok else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "launch":
             return _launch(args)
+        if args.command == "run":
+            return _run(args)
         if args.command == "bench":
             return _bench(args)
         if args.command in ("dump", "schema"):
@@ -154,9 +223,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ppsync: {e}", file=sys.stderr)
         return 2
     except PPSyncError as e:
-        print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ppsync: {_who(args)}{type(e).__name__}: {e}", file=sys.stderr)
+        if args.command == "run":
+            point_at_dumps(_dump_dir(args))
+        return 1
+    except Exception as e:  # a rank of `run` whose world broke (gloo, the store)
+        if args.command != "run":
+            raise
+        print(f"ppsync: {_who(args)}{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 2
+
+
+def _who(args: argparse.Namespace) -> str:
+    rank = os.environ.get("RANK") if args.command == "run" else None
+    return f"rank {rank}: " if rank is not None else ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    code = _dispatch(args)
+    if dist.is_initialized():
+        # this process joined a gloo world (`run`): after a failed collective
+        # gloo's threads can abort the interpreter's exit (rc 134), so leave now
+        dump_all("exit")  # os._exit skips atexit; no-op without a dump directory
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -44,9 +44,10 @@ of the step), a rank that left its token path (its engine raised), a lost
 connection, a silence."""
 
 
-def _bounded(call: Callable[[], T], default: T, timeout_s: float) -> T:
-    """``call()`` in a daemon thread, or ``default`` if it raised or did not
-    return within ``timeout_s`` (the thread is then left to the store)."""
+def _bounded(call: Callable[[], T], default: T, timeout_s: float) -> tuple[T, bool]:
+    """``call()`` in a daemon thread: (its result, True), or (``default``,
+    True) if it raised, or (``default``, False) if it did not return within
+    ``timeout_s`` (the thread is then left to the store)."""
     box: list[T] = [default]
     done = threading.Event()
 
@@ -59,8 +60,8 @@ def _bounded(call: Callable[[], T], default: T, timeout_s: float) -> T:
             done.set()
 
     threading.Thread(target=run, name="ppsync-board", daemon=True).start()
-    done.wait(timeout_s)
-    return box[0]
+    answered = done.wait(timeout_s)
+    return box[0], answered
 
 
 class FailureBoard:
@@ -85,6 +86,7 @@ class FailureBoard:
         self.op_timeout_s = op_timeout_s
         self._namespace = namespace
         self._posted = False
+        self._silent = False  # the store once did not answer: it is not asked again
         self.bind_run(0)
 
     @classmethod
@@ -105,6 +107,16 @@ class FailureBoard:
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
 
+    def _ask(self, call: Callable[[], T], default: T) -> T:
+        """``call()`` on the store, bounded by ``op_timeout_s``; ``default``
+        when it fails, and from then on at once if it did not answer (a
+        stopped or cut-off store host would cost a timeout per call)."""
+        if self._silent:
+            return default
+        result, answered = _bounded(call, default, self.op_timeout_s)
+        self._silent = not answered
+        return result
+
     @property
     def has_posted(self) -> bool:
         """Whether this rank posted a notice already."""
@@ -123,7 +135,7 @@ class FailureBoard:
             self.store.set(self._key(self.me), notice)
             self.store.add(self._count, 1)
 
-        _bounded(write, None, self.op_timeout_s)
+        self._ask(write, None)
 
     def notices(self) -> list[dict[str, Any]]:
         """Every notice posted so far, in rank order."""
@@ -132,12 +144,11 @@ class FailureBoard:
         def read() -> list[dict[str, Any]]:
             return [json.loads(self.store.get(k)) for k in keys]
 
-        return _bounded(read, [], self.op_timeout_s)
+        return self._ask(read, [])
 
     def anyone_failed(self) -> bool:
         """Whether any rank of the group has posted (one store round trip)."""
-        return _bounded(lambda: int(self.store.add(self._count, 0)) > 0, False,
-                        self.op_timeout_s)
+        return self._ask(lambda: int(self.store.add(self._count, 0)) > 0, False)
 
     def posted(self) -> list[int] | None:
         """The ranks that posted, in rank order; None when the store does not
@@ -145,7 +156,7 @@ class FailureBoard:
         def check() -> list[int] | None:
             return [r for r in self.ranks if self.store.check([self._key(r)])]
 
-        return _bounded(check, None, self.op_timeout_s)
+        return self._ask(check, None)
 
     def missing(self) -> list[int]:
         """The other ranks that have not posted (yet); [] when unknown."""

@@ -1,4 +1,4 @@
-"""The run report that ``ppsync launch`` prints and writes as JSON."""
+"""The run report that ``ppsync launch`` and ``ppsync run`` print and write as JSON."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ class RankReport(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     rank: int = Field(ge=0)
-    """Group rank."""
+    """Rank within its PP group."""
+    global_rank: int | None = Field(default=None, ge=0)
+    """World rank (None in reports made before a world was gathered)."""
+    pp_group: int = Field(default=0, ge=0)
+    """Index of its PP group in the tensor x pipeline layout (0 when there is one)."""
     role: Literal["last", "receiver"]
     """'last' samples and broadcasts; 'receiver' posts and consumes."""
     steps: int = Field(ge=0)
@@ -71,8 +75,10 @@ class RunReport(BaseModel):
     """Workload seed."""
     mode: Literal["sync", "async"] = "sync"
     """Which path carried the tokens: the synchronous core or the anyio services."""
+    world_size: int | None = Field(default=None, ge=1)
+    """Ranks in the world: pp_size times the number of PP groups (None: pp_size)."""
     ranks: list[RankReport]
-    """One entry per rank, in rank order."""
+    """One entry per world rank, in world rank order."""
 
     @property
     def ok(self) -> bool:

@@ -1,6 +1,5 @@
-"""anyio services: BroadcastService (last rank), ReceiveService (other ranks),
-the per-rank runtime ``open_rank``, the synthetic workload and the local
-launcher."""
+"""anyio services: BroadcastService (last rank), ReceiveService (other ranks)
+and the per-rank runtime ``open_rank``."""
 
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 from ppsync.services.runtime import Rank, open_rank

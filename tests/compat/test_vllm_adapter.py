@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from ppsync.compat.vllm import PPHandler, SampledOutputs
 from ppsync.errors import BatchError, ConfigError, ProtocolError, RoleError
-from ppsync.services.checker import Checker
-from ppsync.services.launcher import RankEnv, spawn_ranks
-from ppsync.services.workload import ScheduledStep, Workload, WorkloadConfig
+from ppsync.harness.checker import Checker
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
 
 CPU = torch.device("cpu")
 MAX_NUM_REQS = 8

@@ -39,9 +39,9 @@ from vllm_standin import use_standin, write_standin
 
 from ppsync.compat.vllm import PPHandler, SampledOutputs
 from ppsync.errors import DesyncError, RankFailed
-from ppsync.services.checker import Checker
-from ppsync.services.launcher import RankEnv, spawn_ranks
-from ppsync.services.workload import ScheduledStep, Workload, WorkloadConfig
+from ppsync.harness.checker import Checker
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
 
 CPU = torch.device("cpu")
 MAX_NUM_REQS = 8

@@ -30,7 +30,7 @@ from ppsync.compat.vllm_interface import (
     resolve_interface,
 )
 from ppsync.errors import BatchError, ConfigError, ProtocolError
-from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 NO_VLLM = importlib.util.find_spec("vllm") is None and installed_vllm_version() is None
 needs_no_vllm = pytest.mark.skipif(not NO_VLLM, reason="a vLLM is installed here")

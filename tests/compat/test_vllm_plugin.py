@@ -26,7 +26,7 @@ from vllm_standin import drop_vllm_modules, use_standin, write_standin
 from ppsync.compat.vllm import PPHandler
 from ppsync.compat.vllm_plugin import ENV_SWITCH, MODEL_RUNNER, PP_UTILS, VllmPPHandler, register
 from ppsync.errors import ConfigError
-from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 CPU = torch.device("cpu")
 GROUP = "vllm.general_plugins"

@@ -25,8 +25,8 @@ from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.errors import BatchError, PPSyncError, ProtocolError, RoleError
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 MAX_NUM_REQS = 8
 K = 2  # L = 3

@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from ppsync.core.groups import pipeline_layout, token_groups
 from ppsync.core.handler import TokenPath
+from ppsync.harness.driver import run_sync_rank, workload_config
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
-from ppsync.services.driver import run_sync_rank, workload_config
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 WORLD, PP = 4, 2
 

@@ -28,8 +28,8 @@ from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.errors import PPSyncError
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 TIMEOUT_S = 10.0
 

@@ -20,11 +20,11 @@ from helpers import decode_view
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.errors import DesyncError
+from ppsync.harness.driver import run_sync_rank, workload_config
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.harness.workload import Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig, WireMode
 from ppsync.schemas.report import RankReport
-from ppsync.services.driver import run_sync_rank, workload_config
-from ppsync.services.launcher import RankEnv, spawn_ranks
-from ppsync.services.workload import Workload, WorkloadConfig
 
 TIMEOUT_S = 20.0
 STEPS = 300

@@ -39,9 +39,9 @@ from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.debug.load import validate_file, validators
 from ppsync.errors import PPSyncError, RankFailed
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.services.launcher import RankEnv, spawn_ranks
 from ppsync.services.runtime import open_rank
 
 PP_SIZE = 3

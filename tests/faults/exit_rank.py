@@ -27,8 +27,8 @@ from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import PPSyncError
+from ppsync.harness.driver import StepLoop, outputs, workload_config
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.driver import StepLoop, outputs, workload_config
 from ppsync.services.runtime import open_rank
 
 PP_SIZE = 3

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ppsync.core.handler import TokenPath
 from ppsync.errors import PPSyncError
-from ppsync.services.launcher import RankEnv
+from ppsync.harness.launcher import RankEnv
 
 MAX_NUM_REQS = 8
 K = 2  # speculative steps

@@ -31,9 +31,9 @@ from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import PPSyncError, RankFailed
+from ppsync.harness.driver import StepLoop, outputs, run_sync_rank, workload_config
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.driver import StepLoop, outputs, run_sync_rank, workload_config
-from ppsync.services.launcher import RankEnv, spawn_ranks
 from ppsync.services.runtime import open_rank
 
 PP_SIZE = 3

@@ -58,8 +58,8 @@ from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.errors import PPSyncError, RankFailed
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig, WireMode
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 PP_SIZE = 3
 LAST = PP_SIZE - 1

@@ -73,8 +73,8 @@ from hypothesis import strategies as st
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.handler import PreparedStep, TokenPath
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 EXAMPLES = 240  # bad calls, one per round
 AFTER_CLOSE_EXAMPLES = 60  # calls after close(), per rank

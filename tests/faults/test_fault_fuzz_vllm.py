@@ -62,7 +62,7 @@ from fault_tools import watchdog
 from hypothesis import strategies as st
 
 from ppsync.compat.vllm import PPHandler
-from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 CPU = torch.device("cpu")
 EXAMPLES = 200  # rounds, one bad call each

@@ -20,16 +20,16 @@ from fault_tools import watchdog
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
-from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
-from ppsync.services.driver import (
+from ppsync.harness.driver import (
     Backend,
     run_async_rank_blocking,
     run_sync_rank,
     workload_config,
 )
-from ppsync.services.launcher import RankEnv, spawn_ranks
-from ppsync.services.run import run_local
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.harness.run import run_local
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.report import RankReport
 
 PP_SIZE = 3
 TIMEOUT_S = 20.0

@@ -31,9 +31,9 @@ from helpers import decode_view, engine_step
 
 from ppsync.core.groups import token_group
 from ppsync.errors import PeerLost
+from ppsync.harness.driver import Backend, StepLoop, workload_config
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.driver import Backend, StepLoop, workload_config
-from ppsync.services.launcher import RankEnv, spawn_ranks
 from ppsync.services.runtime import open_rank
 
 TIMEOUT_S = 10.0  # collectives; far above every cancel deadline below

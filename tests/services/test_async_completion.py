@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from ppsync.core.transport import broadcast_async
 from ppsync.errors import SyncTimeout
+from ppsync.harness.driver import Backend
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.services.completion import completed
-from ppsync.services.driver import Backend
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 TIMEOUT_S = 10.0
 

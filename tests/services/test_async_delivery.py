@@ -15,10 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from ppsync.core.groups import token_group
+from ppsync.harness.driver import Backend, run_async_rank_blocking, workload_config
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
-from ppsync.services.driver import Backend, run_async_rank_blocking, workload_config
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 TIMEOUT_S = 20.0
 STEPS = 160
@@ -40,7 +40,7 @@ KNOBS: dict[str, object] = {
 
 
 def _delivery_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> RankReport:
-    # as ppsync.services.run._rank does: a token group, a failure board in the
+    # as ppsync.harness.run._rank does: a token group, a failure board in the
     # parent's store, the anyio services under anyio.run on ``backend``
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
     wcfg = workload_config(config, steps=STEPS, seed=SEED, **KNOBS)

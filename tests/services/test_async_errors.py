@@ -28,9 +28,9 @@ import torch.distributed as dist
 from helpers import decode_view
 
 from ppsync.core.groups import token_group
+from ppsync.harness.driver import Backend
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.driver import Backend
-from ppsync.services.launcher import RankEnv, spawn_ranks
 from ppsync.services.runtime import Rank, open_rank
 
 TIMEOUT_S = 10.0

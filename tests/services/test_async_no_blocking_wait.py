@@ -21,9 +21,9 @@ import pytest
 import torch.distributed as dist
 
 from ppsync.core.groups import token_group
+from ppsync.harness.driver import Backend, run_async_rank_blocking, workload_config
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.driver import Backend, run_async_rank_blocking, workload_config
-from ppsync.services.launcher import RankEnv, spawn_ranks
 
 STEPS = 1500
 TIMEOUT_S = 20.0

@@ -6,7 +6,7 @@ variants interleaved per iteration, each waiting its own transfer; the worst
 case) and then the pipelined one (``bench_pipelined``: an engine-like loop
 with simulated compute and D steps in flight; the headline). Each rank hands
 back raw perf_counter_ns samples; the parent turns them into a
-:class:`~ppsync.services.bench_model.BenchReport` (spans need every rank's
+:class:`~ppsync.bench.model.BenchReport` (spans need every rank's
 timestamps: max(out) - min(in) per iteration), adds the single-process CPU
 micro-benchmark (``bench_cpu``), the ratios and the targets. Benchmarks report
 figures; nothing here asserts a timing.
@@ -19,11 +19,10 @@ import time
 
 import numpy as np
 
-from ppsync.core.frame import FrameCodec
-from ppsync.services.bench_common import rank_ctx, world_barrier
-from ppsync.services.bench_cpu import micro_cpu, recorder_cpu
-from ppsync.services.bench_lockstep import VARIANTS, LockstepRankResult, lockstep_rank
-from ppsync.services.bench_model import (
+from ppsync.bench.common import rank_ctx, world_barrier
+from ppsync.bench.cpu import micro_cpu, recorder_cpu
+from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
+from ppsync.bench.model import (
     BenchOptions,
     BenchReport,
     CpuStats,
@@ -33,13 +32,14 @@ from ppsync.services.bench_model import (
     pct_us,
     ratio,
 )
-from ppsync.services.bench_pipelined import (
+from ppsync.bench.pipelined import (
     SCHEMES,
     PipelinedRankResult,
     pipelined_rank,
     rounds,
 )
-from ppsync.services.launcher import RankEnv, spawn_ranks
+from ppsync.core.frame import FrameCodec
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 __all__ = ["BenchOptions", "BenchReport", "format_tables", "run_bench"]
 

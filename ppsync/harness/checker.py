@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ppsync.core.released import ReleasedStep
-from ppsync.services.workload import ScheduledStep, Workload
+from ppsync.harness.workload import ScheduledStep, Workload
 
 
 @dataclass(slots=True)

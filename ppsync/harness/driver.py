@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,11 +24,11 @@ import torch.distributed as dist
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
+from ppsync.harness.checker import Checker
+from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
-from ppsync.services.checker import Checker
 from ppsync.services.runtime import open_rank
-from ppsync.services.workload import ScheduledStep, Workload, WorkloadConfig
 
 Backend = Literal["asyncio", "trio"]
 
@@ -72,6 +73,7 @@ class StepLoop:
     is_last: bool
     rank: int = 0
     jitter_us: float = 0.0  # each step, pause uniformly in [0, jitter_us] (a slow, jittery rank)
+    progress: Callable[[int], None] | None = None  # told each step index once it is done
     wl: Workload = field(init=False)
     checker: Checker = field(init=False)
     table: torch.Tensor | None = field(init=False)  # [max_num_reqs, K] draft table
@@ -110,6 +112,8 @@ class StepLoop:
         self.transfers += needed > 0
         if self.is_last:
             self.rows_sent += needed
+        if self.progress is not None:
+            self.progress(t)
 
     def report(self, rank: int) -> RankReport:
         p50, p99 = percentiles_us(self.blocked_ns[: self.wcfg.steps])
@@ -143,9 +147,15 @@ def outputs(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     )
 
 
-def run_sync_rank(path: TokenPath, wcfg: WorkloadConfig, *, jitter_us: float = 0.0) -> RankReport:
+def run_sync_rank(
+    path: TokenPath,
+    wcfg: WorkloadConfig,
+    *,
+    jitter_us: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+) -> RankReport:
     """Run ``wcfg.steps`` steps (plus D to drain) through the core."""
-    loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us)
+    loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us, progress)
     for t in range(loop.total_steps):
         if jitter_us:
             time.sleep(loop.pause_s())
@@ -175,10 +185,11 @@ async def run_async_rank(
     wcfg: WorkloadConfig,
     board: FailureBoard | None = None,
     jitter_us: float = 0.0,
+    progress: Callable[[int], None] | None = None,
 ) -> RankReport:
     """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services."""
     async with open_rank(config, group, board=board) as rank:
-        loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us)
+        loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us, progress)
         for t in range(loop.total_steps):
             if jitter_us:
                 await anyio.sleep(loop.pause_s())
@@ -208,6 +219,8 @@ def run_async_rank_blocking(
     backend: Backend,
     board: FailureBoard | None = None,
     jitter_us: float = 0.0,
+    progress: Callable[[int], None] | None = None,
 ) -> RankReport:
     """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
-    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, backend=backend)
+    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, progress,
+                     backend=backend)

@@ -32,11 +32,7 @@ import anyio
 import numpy as np
 import torch.distributed as dist
 
-from ppsync.core.frame import FrameCodec, FrameView
-from ppsync.core.handler import TokenPath
-from ppsync.core.transport import TransportClock, broadcast_async, wait_work
-from ppsync.errors import PPSyncError
-from ppsync.services.bench_common import (
+from ppsync.bench.common import (
     Heartbeat,
     RankCtx,
     SeedsBuffers,
@@ -48,7 +44,11 @@ from ppsync.services.bench_common import (
     world_max,
     world_start,
 )
-from ppsync.services.bench_model import overdue_within
+from ppsync.bench.model import overdue_within
+from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.handler import TokenPath
+from ppsync.core.transport import TransportClock, broadcast_async, wait_work
+from ppsync.errors import PPSyncError
 from ppsync.services.completion import completed
 from ppsync.services.runtime import Rank, open_rank
 

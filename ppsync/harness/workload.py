@@ -9,7 +9,7 @@ their lane's steps, so a request is never in two steps that are in flight
 together: the microbatching a PP engine does.
 
 Every value the last rank "samples" is a pure function of (request, position),
-so every rank can check each delivered row exactly (``ppsync.services.checker``).
+so every rank can check each delivered row exactly (``ppsync.harness.checker``).
 The workload's own rule for which rows sample is written independently of
 ``ppsync.core.mask`` so that each checks the other.
 """

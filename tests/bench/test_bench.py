@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ppsync.bench.model import overdue_within
+from ppsync.bench.runner import BenchOptions, BenchReport, format_tables, run_bench
 from ppsync.cli import main
 from ppsync.errors import ConfigError
-from ppsync.services.bench import BenchOptions, BenchReport, format_tables, run_bench
-from ppsync.services.bench_model import overdue_within
 
 TINY = ["--rows", "8", "--iters", "30", "--pipelined-iters", "60", "--warmup", "6",
         "--compute-us", "50", "--timeout", "20"]

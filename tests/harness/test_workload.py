@@ -10,7 +10,7 @@ import pytest
 
 from ppsync.core.batch import validate_batch
 from ppsync.core.mask import need_sampled_mask
-from ppsync.services.workload import (
+from ppsync.harness.workload import (
     SALT_DRAFT,
     ScheduledStep,
     Workload,

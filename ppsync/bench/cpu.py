@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ppsync.bench.common import FixedStep, cpu_now, fixed_step
+from ppsync.bench.model import BenchOptions, pct_us
 from ppsync.core.batch import validate_batch
 from ppsync.core.checks import check_sampled, check_step_drafts
 from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
@@ -29,8 +31,6 @@ from ppsync.core.generations import GenerationTable
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
-from ppsync.services.bench_common import FixedStep, cpu_now, fixed_step
-from ppsync.services.bench_model import BenchOptions, pct_us
 
 
 class _Micro:

@@ -1,8 +1,11 @@
-"""Run P ranks as local processes on 127.0.0.1, each in its own gloo world.
+"""Run ranks as local processes on 127.0.0.1, joined in one gloo world.
 
-Used by ``ppsync launch``, the benchmarks and the multi-process tests. Every
-wait is bounded: a rank that does not report within ``timeout_s`` gets the
-whole run killed and a :class:`SyncTimeout`, never an endless hang.
+Two ways, one machinery: :func:`spawn_world` sets torchrun's environment in
+each child and calls a target that joins the world itself (``ppsync launch``
+runs the rank code of ``ppsync run`` this way); :func:`spawn_ranks` joins the
+world for its target (the benchmarks and the multi-process tests). Every wait
+is bounded: a rank that does not report within ``timeout_s`` gets the whole
+run killed and a :class:`SyncTimeout`, never an endless hang.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import RankFailed, SyncTimeout
+from ppsync.harness.world import WorldEnv
 
 R = TypeVar("R")
 
@@ -50,12 +54,40 @@ class RankEnv:
 
 @dataclass(frozen=True, slots=True)
 class _Job(Generic[R]):
-    target: Callable[[RankEnv], R]
+    target: Callable[[RankEnv], R] | Callable[[WorldEnv], R]
     rank: int
     world_size: int
     port: int
     timeout_s: float
     env: dict[str, str]
+    joins_itself: bool  # the target joins the world from the environment (spawn_world)
+
+
+def _world_environ(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables for a local rank; the launcher's store process
+    hosts the store, as torchrun's agent does."""
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def _call(job: _Job[R]) -> R:
+    if job.joins_itself:
+        os.environ.update(_world_environ(job.rank, job.world_size, job.port))
+        world = WorldEnv.from_environ(os.environ)
+        return job.target(world)  # type: ignore[arg-type]
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    store = TCPStore("127.0.0.1", job.port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=PrefixStore("world", store),
+        rank=job.rank,
+        world_size=job.world_size,
+        timeout=timeout,
+    )
+    return job.target(RankEnv(job.rank, job.world_size, job.timeout_s, store))  # type: ignore[arg-type]
 
 
 def _child(job: _Job[R], conn: Connection) -> None:
@@ -71,16 +103,7 @@ def _child(job: _Job[R], conn: Connection) -> None:
         # to fd 2 itself (sys.stderr may be a capture without a file descriptor),
         # and with a dump directory ($PPSYNC_DUMP_DIR) dumps its flight record
         install_dump_triggers(None)
-        timeout = datetime.timedelta(seconds=job.timeout_s)
-        store = TCPStore("127.0.0.1", job.port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            "gloo",
-            store=PrefixStore("world", store),
-            rank=job.rank,
-            world_size=job.world_size,
-            timeout=timeout,
-        )
-        result = job.target(RankEnv(job.rank, job.world_size, job.timeout_s, store))
+        result = _call(job)
         conn.send(("ok", result))
     except Exception as e:  # reported to the parent, which re-raises
         code = 1
@@ -132,6 +155,22 @@ def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
     time.sleep(0.5)
 
 
+def spawn_world(
+    target: Callable[[WorldEnv], R],
+    world_size: int,
+    *,
+    timeout_s: float = 60.0,
+    start_method: str = "fork",
+    env: dict[str, str] | None = None,
+) -> list[R]:
+    """Run ``target(WorldEnv)`` on ranks 0..world_size-1 in separate
+    processes, each given torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE)
+    with the store hosted by a process of its own; the target joins the world
+    itself. Results, errors and bounds as :func:`spawn_ranks`."""
+    return _spawn(target, world_size, timeout_s, start_method, env, None, joins_itself=True)
+
+
 def spawn_ranks(
     target: Callable[[RankEnv], R],
     world_size: int,
@@ -150,6 +189,20 @@ def spawn_ranks(
     raised or died, :class:`SyncTimeout` if the run passed ``timeout_s`` (the
     collectives' own timeout) plus a grace period; every child is gone when
     this returns or raises."""
+    return _spawn(target, world_size, timeout_s, start_method, env, per_rank_env,
+                  joins_itself=False)
+
+
+def _spawn(
+    target: Callable[[RankEnv], R] | Callable[[WorldEnv], R],
+    world_size: int,
+    timeout_s: float,
+    start_method: str,
+    env: dict[str, str] | None,
+    per_rank_env: Sequence[dict[str, str]] | None,
+    *,
+    joins_itself: bool,
+) -> list[R]:
     ctx: Any = mp.get_context(start_method)  # "fork" or "spawn"; typeshed lacks .Process
     # A process of its own hosts the store: it outlives any rank that dies, and
     # the parent keeps no server thread (forking while a thread holds a lock
@@ -166,7 +219,7 @@ def spawn_ranks(
             if per_rank_env is not None:
                 extra.update(per_rank_env[rank])
             parent_end, child_end = ctx.Pipe(duplex=False)
-            job = _Job(target, rank, world_size, port, timeout_s, extra)
+            job = _Job(target, rank, world_size, port, timeout_s, extra, joins_itself)
             p = ctx.Process(target=_child, args=(job, child_end), daemon=True)
             p.start()
             child_end.close()

@@ -14,10 +14,10 @@ import pytest
 import ppsync.cli
 from ppsync.cli import main
 from ppsync.errors import RankFailed
+from ppsync.harness.driver import Backend
+from ppsync.harness.run import format_table, run_local
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport, RunReport
-from ppsync.services.driver import Backend
-from ppsync.services.run import format_table, run_local
 
 
 def _exit_code(argv: Sequence[str]) -> int:
@@ -37,10 +37,11 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     assert main(argv) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
-    assert lines[0].split()[:3] == ["rank", "role", "steps"]
-    assert re.match(r"\s*0 receiver\s+60 ", lines[1]), lines[1]
-    assert re.match(r"\s*1 last\s+60 ", lines[2]), lines[2]
-    assert re.search(r"pp_size=2 K=2 D=2 max_num_reqs=8 wire=fixed mode=sync -> OK", lines[3])
+    assert lines[0].split()[:4] == ["rank", "group", "role", "steps"]
+    assert re.match(r"\s*0\s+0 receiver\s+60 ", lines[1]), lines[1]
+    assert re.match(r"\s*1\s+0 last\s+60 ", lines[2]), lines[2]
+    assert re.search(r"world=2 pp_size=2 K=2 D=2 max_num_reqs=8 wire=fixed mode=sync -> OK",
+                     lines[3])
 
     report = RunReport.model_validate_json(path.read_text())
     assert report.ok
@@ -50,6 +51,7 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     )
     receiver, last = report.ranks
     assert (receiver.role, last.role) == ("receiver", "last")
+    assert (receiver.global_rank, last.global_rank) == (0, 1)
     assert receiver.rows_delivered == receiver.rows_expected > 0
     assert receiver.transfers == last.transfers > 0
     assert last.rows_sent == receiver.rows_delivered + receiver.excluded
@@ -163,3 +165,22 @@ def test_console_script_runs() -> None:
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"mode=sync -> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt",
                      proc.stdout), proc.stdout
+
+
+def test_launch_tensor_x_pipeline_world(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["launch", "--pp-size", "2", "--world-size", "4", "--steps", "40",
+            "--max-num-reqs", "8", "--timeout", "20", "--quiet"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line.split()[:3] for line in lines[1:5]]
+    # vLLM's convention: PP group i holds ranks i, i + tp (tp = 2)
+    assert rows == [["0", "0", "receiver"], ["1", "1", "receiver"],
+                    ["2", "0", "last"], ["3", "1", "last"]]
+    assert re.search(r"world=4 pp_size=2 .* -> OK", lines[5]), lines[5]
+
+
+def test_launch_world_not_a_multiple_of_pp_size_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _exit_code(["launch", "--pp-size", "2", "--world-size", "3", "--steps", "5"]) == 2
+    assert re.search(r"pp_size = 2 must divide world_size = 3", capsys.readouterr().err)

@@ -29,11 +29,7 @@ import anyio
 import numpy as np
 import torch.distributed as dist
 
-from ppsync.core.handler import TokenPath
-from ppsync.core.transport import TransportClock
-from ppsync.errors import PPSyncError
-from ppsync.schemas.config import SyncConfig
-from ppsync.services.bench_common import (
+from ppsync.bench.common import (
     Heartbeat,
     RankCtx,
     SeedsBuffers,
@@ -43,7 +39,11 @@ from ppsync.services.bench_common import (
     spin_ns,
     world_barrier,
 )
-from ppsync.services.bench_model import overdue_within
+from ppsync.bench.model import overdue_within
+from ppsync.core.handler import TokenPath
+from ppsync.core.transport import TransportClock
+from ppsync.errors import PPSyncError
+from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
 
 SCHEMES = ("seeds", "ppsync_sync", "ppsync_async")

@@ -1,0 +1,117 @@
+"""The rank code of ``ppsync run``: one process, one world rank.
+
+Every rank runs the same steps: check the layout (before anything connects),
+join the world, make every PP group and its token group (a tensor x pipeline
+layout when WORLD_SIZE > pp_size), run the workload on its own PP group with
+a failure board in the run's store, then gather every rank's report over the
+world so that every rank holds the whole :class:`RunReport` and exits with
+the same verdict. ``ppsync launch`` spawns processes that run exactly this.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import torch.distributed as dist
+
+from ppsync.core.groups import pipeline_layout, token_groups
+from ppsync.core.handler import TokenPath
+from ppsync.core.liveness import FailureBoard
+from ppsync.harness.driver import (
+    Backend,
+    run_async_rank_blocking,
+    run_sync_rank,
+    workload_config,
+)
+from ppsync.harness.world import WorldEnv
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.report import RankReport, RunReport
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How a run drives its ranks (beyond the token path's config)."""
+
+    steps: int
+    seed: int = 0
+    backend: Backend | None = None  # None: the synchronous core
+    jitter_us: float = 0.0  # per rank per step, a random pause in [0, jitter_us]
+    knobs: dict[str, object] = field(default_factory=dict)  # WorkloadConfig overrides
+    progress_s: float | None = None  # world rank 0 prints progress this often; None: never
+    join_timeout_s: float = 120.0  # bound on joining the world (ranks start at different times)
+
+
+class Progress:
+    """One line to ``out`` every ``every_s`` seconds: steps done, steps/s, ETA."""
+
+    def __init__(self, total: int, every_s: float, out: TextIO | None = None) -> None:
+        self.total = total
+        self.every_s = every_s
+        self.out = out
+        self.started = time.monotonic()
+        self.next_at = self.started + every_s
+
+    def __call__(self, step: int) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.every_s
+        done = step + 1
+        rate = done / max(now - self.started, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else 0.0
+        print(f"ppsync: step {done}/{self.total}  {rate:.0f} steps/s  ETA {eta:.0f} s",
+              file=self.out or sys.stderr, flush=True)
+
+
+def _run_group(
+    config: SyncConfig,
+    opts: RunOptions,
+    group: dist.ProcessGroup,
+    board: FailureBoard,
+    progress: Callable[[int], None] | None,
+) -> RankReport:
+    wcfg = workload_config(config, steps=opts.steps, seed=opts.seed, **opts.knobs)
+    if opts.backend is None:
+        path = TokenPath(config, group, board=board)
+        return run_sync_rank(path, wcfg, jitter_us=opts.jitter_us, progress=progress)
+    return run_async_rank_blocking(config, group, wcfg, opts.backend, board, opts.jitter_us,
+                                   progress=progress)
+
+
+def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport:
+    """Run this rank's part of the check and return the whole run's report
+    (the same on every rank). Raises :class:`ConfigError` before connecting
+    when WORLD_SIZE is not a multiple of pp_size; any fault raises."""
+    layout = pipeline_layout(world.world_size, config.pp_size)
+    store = world.connect(opts.join_timeout_s, config.timeout_s)
+    _, group = token_groups(layout, timeout_s=config.timeout_s)
+    # the world group keeps the join timeout; the final gather gets the run's own
+    gather = dist.new_group(list(range(world.world_size)),
+                            timeout=datetime.timedelta(seconds=config.timeout_s))
+    index = next(i for i, ranks in enumerate(layout) if world.rank in ranks)
+    board = FailureBoard(store, ranks=layout[index], me=world.rank)
+    progress = None
+    if opts.progress_s is not None and world.rank == 0:
+        progress = Progress(opts.steps + config.depth, opts.progress_s)
+    try:
+        mine = _run_group(config, opts, group, board, progress)
+    except Exception:
+        if world.hosts_store:
+            # survivors are still reading the failure board to name the lost
+            # rank: keep the store up for their grace before this process exits
+            time.sleep(board.grace_s + 2 * board.slice_s)
+        raise
+    mine = mine.model_copy(update={"global_rank": world.rank, "pp_group": index})
+    reports: list[RankReport | None] = [None] * world.world_size
+    dist.all_gather_object(reports, mine, group=gather)
+    ranks = [r for r in reports if r is not None]
+    return RunReport(
+        config=config, steps=opts.steps, seed=opts.seed,
+        mode="sync" if opts.backend is None else "async",
+        world_size=world.world_size, ranks=ranks,
+    )
