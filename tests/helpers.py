@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ppsync.core.batch import BatchView
+from ppsync.core.handler import TokenPath
 from ppsync.harness.driver import StepLoop, outputs
 from ppsync.services.runtime import Rank
 
@@ -32,3 +33,15 @@ async def engine_step(rank: Rank, loop: StepLoop, t: int) -> None:
         await rank.publish(step.view, *outputs(step))
     else:
         await rank.post(step.view)
+
+
+def sync_engine_step(path: TokenPath, loop: StepLoop, t: int) -> None:
+    """Step ``t`` of the workload through the synchronous token path, in the
+    engine order: consume (checked), free, schedule, then publish or post."""
+    if not path.is_last:
+        loop.released(t, path.consume(loop.table))
+    step = loop.schedule(t, path)
+    if path.is_last:
+        path.publish(step.view, *outputs(step))
+    else:
+        path.post(step.view)

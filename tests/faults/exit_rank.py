@@ -18,16 +18,20 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import anyio
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: helpers
+from helpers import engine_step, sync_engine_step
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import PPSyncError
-from ppsync.harness.driver import StepLoop, outputs, workload_config
+from ppsync.harness.driver import StepLoop, workload_config
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
 
@@ -50,13 +54,7 @@ def _sync(config: SyncConfig, group: dist.ProcessGroup, board: FailureBoard,
         loop = StepLoop(workload_config(config, steps=STEPS, seed=1), path.is_last, path.rank)
         for t in range(loop.total_steps):
             _fault(dist.get_rank(), victim, how, t)
-            if not path.is_last:
-                loop.released(t, path.consume(loop.table))
-            step = loop.schedule(t, path)
-            if path.is_last:
-                path.publish(step.view, *outputs(step))
-            else:
-                path.post(step.view)
+            sync_engine_step(path, loop, t)
     finally:
         path.close(drain=False)  # what an engine does on an error
 
@@ -67,13 +65,7 @@ async def _async(config: SyncConfig, group: dist.ProcessGroup, board: FailureBoa
         loop = StepLoop(workload_config(config, steps=STEPS, seed=1), rank.is_last, rank.rank)
         for t in range(loop.total_steps):
             _fault(dist.get_rank(), victim, how, t)
-            if not rank.is_last:
-                loop.released(t, await rank.take(loop.table))
-            step = loop.schedule(t, rank.path)
-            if rank.is_last:
-                await rank.publish(step.view, *outputs(step))
-            else:
-                await rank.post(step.view)
+            await engine_step(rank, loop, t)
 
 
 def main() -> None:

@@ -25,13 +25,13 @@ import anyio
 import pytest
 import torch.distributed as dist
 from fault_tools import watchdog, write_json
-from helpers import engine_step
+from helpers import engine_step, sync_engine_step
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import PPSyncError, RankFailed
-from ppsync.harness.driver import StepLoop, outputs, run_sync_rank, workload_config
+from ppsync.harness.driver import StepLoop, run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
@@ -89,13 +89,7 @@ def _no_board_rank(out_dir: Path, env: RankEnv) -> None:
         for t in range(loop.total_steps):
             if env.rank == 0 and t == KILL_AT:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if not path.is_last:
-                loop.released(t, path.consume(loop.table))
-            step = loop.schedule(t, path)
-            if path.is_last:
-                path.publish(step.view, *outputs(step))
-            else:
-                path.post(step.view)
+            sync_engine_step(path, loop, t)
     except PPSyncError as e:
         caught = {"error": type(e).__name__, "peer": getattr(e, "peer", -1), "message": str(e)}
     finally:

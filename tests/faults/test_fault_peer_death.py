@@ -39,13 +39,13 @@ from fault_tools import (
     watchdog,
     write_json,
 )
-from helpers import engine_step
+from helpers import engine_step, sync_engine_step
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.errors import PPSyncError, RankFailed
-from ppsync.harness.driver import Backend, StepLoop, outputs, workload_config
+from ppsync.harness.driver import Backend, StepLoop, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
@@ -95,13 +95,7 @@ def _sync_loop(path: TokenPath, victim: int, out_dir: Path, env: RankEnv,
         progress[0] = t
         if env.rank == victim and t == KILL_AT:
             _die(out_dir, env, t, before)
-        if not path.is_last:
-            loop.released(t, path.consume(loop.table))
-        step = loop.schedule(t, path)
-        if path.is_last:
-            path.publish(step.view, *outputs(step))
-        else:
-            path.post(step.view)
+        sync_engine_step(path, loop, t)
 
 
 async def _async_loop(
