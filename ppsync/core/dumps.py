@@ -19,21 +19,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import signal
 import socket
 import sys
 from collections import deque
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from ppsync.core.recorder import FlightRecorder, clock_pair
-from ppsync.errors import ConfigError
+from ppsync.errors import ConfigError, PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import (
     DUMP_DIR_ENV,
@@ -164,7 +166,10 @@ def _original_message(err: BaseException) -> str:
 def dump_on_error(path: Dumpable, err: BaseException) -> None:
     """Record ``err`` leaving ``path``; when a dump directory is set, write
     the dump and append its file name to ``err``'s message. Never raises:
-    a failed dump is named in the message instead."""
+    a failed dump is named in the message instead. Once per error."""
+    if getattr(err, "_ppsync_dumped", False):
+        return
+    err._ppsync_dumped = True  # type: ignore[attr-defined]  # a plain exception attribute
     path.recorder.error(path.steps, err)
     directory = dump_dir()
     if directory is None:
@@ -224,3 +229,23 @@ def install_dump_triggers(directory: Path | str | None, *, signum: int = signal.
         # (without one, chaining would run the default action: terminate)
         with contextlib.suppress(Exception):
             faulthandler.register(signum, file=2, all_threads=True, chain=dumps)
+
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def records_errors(method: F) -> F:
+    """Decorate a public call of the token path: a PPSyncError leaving it
+    (a bad input as much as a lost peer) is recorded, and dumped with its
+    file named in the message when a dump directory is set, before it
+    reaches the caller. Free when nothing is raised."""
+
+    @functools.wraps(method)
+    def call(self: Dumpable, *args: object, **kwargs: object) -> object:
+        try:
+            return method(self, *args, **kwargs)
+        except PPSyncError as e:
+            dump_on_error(self, e)
+            raise
+
+    return call  # type: ignore[return-value]

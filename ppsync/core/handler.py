@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
-from ppsync.core.dumps import dump_file, dump_on_error, register, write_dump
+from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
 from ppsync.core.frame import (
     FrameCodec,
     FrameView,
@@ -187,6 +187,7 @@ class TokenPath:
 
     # -- shared ---------------------------------------------------------
 
+    @records_errors
     def free(self, req_idx: int) -> None:
         """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
         self._check_open()
@@ -313,6 +314,7 @@ class TokenPath:
 
     # -- last rank --------------------------------------------------------
 
+    @records_errors
     def prepare(
         self,
         view: BatchView,
@@ -345,6 +347,7 @@ class TokenPath:
         step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
         return step, drafts_np
 
+    @records_errors
     def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
         Returns the rows needing a sample; 0 means the step had no transfer."""
@@ -386,6 +389,7 @@ class TokenPath:
         self.seq += 1
         return needed
 
+    @records_errors
     def publish(
         self,
         view: BatchView,
@@ -401,6 +405,7 @@ class TokenPath:
 
     # -- receivers --------------------------------------------------------
 
+    @records_errors
     def post(
         self, view: BatchView, *, expect_drafts: bool | None = None,
         sample_width: int | None = None,
@@ -460,6 +465,7 @@ class TokenPath:
         keep: np.ndarray = head.need_np & self.generations.unchanged(head.idx_np, head.gen_np)
         return keep
 
+    @records_errors
     def consume(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
         """Release the step posted D steps ago (non-last ranks).
 
