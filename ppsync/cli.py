@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -198,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
     # a stuck rank prints every thread's stack on SIGUSR1 (to stderr, fd 2) and,
     # with a dump directory, dumps its flight record (also on an error, at exit)
     install_dump_triggers(_dump_dir(args))
+    signal.signal(signal.SIGTERM, _stopped)
     world = WorldEnv.from_environ(os.environ)
     config = _config(args, args.pp_size or world.world_size)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
@@ -207,6 +209,17 @@ def _run(args: argparse.Namespace) -> int:
     if world.rank == 0:
         return _finish(args, report)
     return 0 if report.ok else 1
+
+
+def _stopped(signum: int, frame: object) -> None:
+    """SIGTERM: torchrun's agent stops every worker as soon as one fails (its
+    summary names the failed one), as do container engines; say so and exit 1."""
+    rank = os.environ.get("RANK", "?")
+    print(f"ppsync: rank {rank}: stopped by {signal.Signals(signum).name} (the launcher "
+          "ends the run: a peer failed, or it was asked to stop)", file=sys.stderr, flush=True)
+    dump_all("signal")  # os._exit skips atexit; no-op without a dump directory
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

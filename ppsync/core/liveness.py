@@ -205,7 +205,7 @@ def verdict(
     for n in notices:
         if n["kind"] == "Left":
             return PeerLost(f"rank {n['rank']} (global) left its token path ({n['message']}); "
-                            f"first seen here as {type(own).__name__}: {own}", peer=n["rank"])
+                            f"first seen here as {kind_of(own)}: {own}", peer=n["rank"])
     peer = lost[0] if lost else None
     names = ", ".join(str(r) for r in lost)
     connection = any(n["kind"] == "PeerLost" for n in notices) or (
@@ -214,7 +214,7 @@ def verdict(
         if peer is None:
             return own if isinstance(own, PeerLost) and observed else PeerLost(str(own))
         return PeerLost(f"lost peer rank(s) {names} (global); first seen here as "
-                        f"{type(own).__name__}: {own}", peer=peer)
+                        f"{kind_of(own)}: {own}", peer=peer)
     if peer is None:
         return own if isinstance(own, SyncTimeout) and observed else SyncTimeout(str(own))
     # nobody saw a connection fail: the unposted ranks are silent, maybe stuck

@@ -18,6 +18,11 @@ board. Who hosts it decides what survivors can say when a rank dies:
   the board can no longer be read, and survivors still fail typed and within
   the timeout (:class:`~ppsync.errors.PeerLost` or
   :class:`~ppsync.errors.SyncTimeout`), but without naming the lost rank.
+
+A rank whose link is cut cannot reach the store either: its board calls are
+bounded (:class:`BoundedStore`), so it too fails within about the timeout,
+and the others name it as silent. Joining is bounded separately (ranks start
+seconds apart): a rank whose peers never come gets a SyncTimeout.
 """
 
 from __future__ import annotations
