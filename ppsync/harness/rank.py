@@ -88,7 +88,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     (the same on every rank). Raises :class:`ConfigError` before connecting
     when WORLD_SIZE is not a multiple of pp_size; any fault raises."""
     layout = pipeline_layout(world.world_size, config.pp_size)
-    store = world.connect(opts.join_timeout_s, config.timeout_s)
+    store = world.connect(opts.join_timeout_s)
     _, group = token_groups(layout, timeout_s=config.timeout_s)
     # the world group keeps the join timeout; the final gather gets the run's own
     gather = dist.new_group(list(range(world.world_size)),

@@ -40,11 +40,6 @@ from ppsync.errors import ConfigError, SyncTimeout
 T = TypeVar("T")
 
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# A failure board's store calls are single round trips (ms when healthy). When
-# this rank's link is cut, a store call's reply never comes and TCPStore's
-# client does not give up (measured: still blocked 15 s after a cut with a 1 s
-# store timeout), so FailureBoard bounds each call (ppsync.core.liveness).
-BOARD_STORE_TIMEOUT_S = 1.0
 
 
 def _int(env: Mapping[str, str], name: str, low: int, high: int | None, rule: str) -> int:
@@ -102,12 +97,11 @@ class WorldEnv:
         """Whether this process serves the store (plain env://, rank 0)."""
         return not self.agent_store and self.rank == 0
 
-    def connect(self, join_timeout_s: float, timeout_s: float) -> Store:
+    def connect(self, join_timeout_s: float) -> Store:
         """Join the store and the gloo world; return this run's part of the
-        store for failure boards (a connection of its own, with a short
-        timeout). Ranks start at different times (containers, image pulls,
+        store for failure boards (a connection of its own). Ranks start at different times (containers, image pulls,
         ``import torch``), so joining, and making groups later, is bounded by
-        ``join_timeout_s``, not by the collectives' ``timeout_s``. Raises
+        ``join_timeout_s``, not by the collectives' timeout. Raises
         :class:`SyncTimeout` when not every rank arrived in time."""
         timeout = datetime.timedelta(seconds=join_timeout_s)
         try:
@@ -127,8 +121,12 @@ class WorldEnv:
                 f"{self.master_addr}:{self.master_port} within join timeout = "
                 f"{join_timeout_s} s: {type(e).__name__}: {e}"
             ) from e
-        # the board's own connection; FailureBoard bounds each of its calls
-        bound = min(timeout_s, BOARD_STORE_TIMEOUT_S)
+        # The board's own connection, so a board call stuck on a cut link never
+        # holds the rendezvous' one. When the link is cut, TCPStore's client does
+        # not give up (measured: still blocked 15 s after a cut with a 1 s store
+        # timeout), so FailureBoard bounds each call itself (ppsync.core.liveness);
+        # connecting may take as long as joining did (a loaded host's DNS: a 1 s
+        # bound here once failed a compose run).
         board = TCPStore(self.master_addr, self.master_port, is_master=False,
-                         timeout=datetime.timedelta(seconds=bound))
+                         timeout=timeout)
         return PrefixStore(prefix, board)
