@@ -99,8 +99,9 @@ class WorldEnv:
 
     def connect(self, join_timeout_s: float) -> Store:
         """Join the store and the gloo world; return this run's part of the
-        store for failure boards (a connection of its own). Ranks start at different times (containers, image pulls,
-        ``import torch``), so joining, and making groups later, is bounded by
+        store for failure boards (a connection of its own). Ranks start at
+        different times (containers, image pulls, ``import torch``), so
+        joining, and making groups later, is bounded by
         ``join_timeout_s``, not by the collectives' timeout. Raises
         :class:`SyncTimeout` when not every rank arrived in time."""
         timeout = datetime.timedelta(seconds=join_timeout_s)
