@@ -167,8 +167,10 @@ def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend) 
         assert r.rows_delivered > 0, r
     if plan == "last-first":
         # the receivers waited in take() for frames that never came, until the
-        # board told them the last rank (global 2) had left
-        assert [r.by for r in results] == ["left:2", "left:2", "steps"], results
+        # board told them the last rank (global 2) had left (or, on a slow
+        # start, until their own deadline came first)
+        assert results[2].by == "steps", results
+        assert all(r.by in ("left:2", "deadline") for r in results[:2]), results
     if plan == "receivers-first":
         # rank 0 left first; the others stop by their own plan or on learning it
         assert results[0].by == "steps", results
