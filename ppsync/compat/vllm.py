@@ -217,15 +217,8 @@ class PPHandler:
             expect = check_recv_drafts(recv_drafts, self.config.num_speculative_steps)
             width = step_width(input_batch, self.config.sample_width)
         view = batch_view_of(input_batch)
-        try:
-            needed = self._path.post(view, expect_drafts=expect, sample_width=width)
-        except ProtocolError:
-            if self._path.closed:
-                raise
-            raise ProtocolError(
-                "receive() without get_prev_sampled_outputs() before it; each step is "
-                "get_prev_sampled_outputs(), then receive()"
-            ) from None
+        # order errors name vLLM's calls: the token path has VLLM_NAMES
+        needed = self._path.post(view, expect_drafts=expect, sample_width=width)
         return view.num_reqs > 0 and needed == view.num_reqs
 
     # -- last rank --------------------------------------------------------------

@@ -318,7 +318,7 @@ def errors_rank(env: RankEnv) -> list[int]:
         got = draft_table(K)
         assert h.get_prev_sampled_outputs(got) is None
         assert h.receive(batch) is True
-        order = r"receive\(\) without get_prev_sampled_outputs\(\)"
+        order = r"receive\(\) without a get_prev_sampled_outputs\(\)"
         with pytest.raises(ProtocolError, match=order):
             h.receive(batch)
         assert h.get_prev_sampled_outputs(got) is None
