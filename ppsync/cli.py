@@ -59,6 +59,9 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--ring-depth", type=_positive, default=None, help="D (default pp_size)")
     la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
     la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
+    la.add_argument("--codec", choices=["host", "device"], default="host",
+                    help="frame codec: host (numpy, the CPU default) or device (torch ops, "
+                    "checks deferred one step; runs on CPU tensors here)")
     la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
@@ -155,6 +158,7 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
         ring_depth=args.ring_depth,
         timeout_s=args.timeout,
         wire=args.wire,
+        codec=args.codec,
         flight_events=args.flight_events,
     )
 

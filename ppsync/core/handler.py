@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
-from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
+from ppsync.core.checks import (
+    check_draft_target,
+    check_sampled,
+    check_sampled_meta,
+    check_step_drafts,
+    check_step_drafts_meta,
+)
+from ppsync.core.device_steps import DeviceSteps
 from ppsync.core.dumps import dump_file, dump_on_error, register, write_dump
 from ppsync.core.frame import (
     FrameCodec,
@@ -48,6 +55,7 @@ from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
@@ -89,6 +97,7 @@ class PendingStep:
     buf: torch.Tensor  # [words] int64 frame buffer the receive fills
     work: dist.Work
     expect_drafts: bool | None = None  # None: take the frame's word for it
+    staging: torch.Tensor | None = None  # device codec: host facts of this rank's view
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +106,12 @@ class PreparedStep:
 
     view: BatchView
     need_np: np.ndarray  # [num_reqs] bool
-    tokens_np: np.ndarray  # [num_reqs, w] int
-    num_sampled_np: np.ndarray  # [num_reqs] int
-    num_rejected_np: np.ndarray  # [num_reqs] int
+    tokens_np: np.ndarray | None  # [num_reqs, w] int; None with the device codec
+    num_sampled_np: np.ndarray | None  # [num_reqs] int; None with the device codec
+    num_rejected_np: np.ndarray | None  # [num_reqs] int; None with the device codec
     sample_width: int | None = None  # the step's width w in the header; None = L
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The device codec's unread (tokens, num_sampled, num_rejected)."""
 
     @property
     def num_needed(self) -> int:
@@ -119,12 +130,16 @@ class TokenPath:
         board: FailureBoard | Literal["group"] | None = "group",
         names: CallNames = CallNames(),
         wait_handshake: bool = True,
+        device: torch.device | str | None = None,
+        platform: str | Platform | None = None,
     ) -> None:
         """``board``: where ranks post failures, so that one cause gives one
         error type on every rank, naming the culprit (see
         ppsync.core.liveness); "group" (the default): a board in the group's
         own store; None: no board, each rank reports only what it saw.
-        ``names``: the caller's names for consume/post/publish, used in errors."""
+        ``names``: the caller's names for consume/post/publish, used in errors.
+        ``device``: where the device codec's frames live (default CPU);
+        ``platform``: cpu, cuda or xpu (default: the device's type)."""
         size = dist.get_world_size(group)
         if size != config.pp_size:
             raise ConfigError(
@@ -147,6 +162,14 @@ class TokenPath:
         if wait_handshake:
             self.finish_handshake()
         self.codec = FrameCodec(config)
+        self.platform = (platform if isinstance(platform, Platform)
+                         else platform_for(device, platform))
+        self.device_steps: DeviceSteps | None = None
+        """With ``config.codec == "device"``: the device codec's steps."""
+        if config.codec == "device":
+            self.device_steps = DeviceSteps(config, self.platform,
+                                            backend=dist.get_backend(group), rank=self.rank,
+                                            src=self.src)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
         self.seq = 0  # frames issued on this group so far
@@ -233,7 +256,8 @@ class TokenPath:
             buf, work = inflight.popleft()
             self._wait(work, "earlier transfer")
             self.recorder.complete(work, self.steps)
-            self.codec.recycle(buf)
+            if self.device_steps is None:
+                self.codec.recycle(buf)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait at most timeout_s; with a board, in slices, so that a failure
@@ -322,14 +346,24 @@ class TokenPath:
         draft_tokens: torch.Tensor | None = None,
         *,
         sample_width: int | None = None,
-    ) -> tuple[PreparedStep, np.ndarray | None]:
+    ) -> tuple[PreparedStep, np.ndarray | torch.Tensor | None]:
         """Check one step's batch view, sampler outputs and (optional) drafts
         [num_reqs, K] (last rank); nothing is sent. Returns the prepared step
-        and the drafts' host array. ``sample_width``: this step's width w
-        (1..L; tokens at most w wide), for engines that vary it per step."""
+        and the drafts' host array (device codec: the drafts tensor).
+        ``sample_width``: this step's width w (1..L; tokens at most w wide),
+        for engines that vary it per step.
+
+        Device codec: dtypes, shapes and the batch view are checked here; the
+        values of num_sampled / num_rejected are checked on the device, and a
+        bad one raises BatchError at the next call (see ppsync.core.device_steps)."""
         self._check_role(self.names.publish, last=True)
+        if self.device_steps is not None:
+            self.device_steps.judge_sent()
         check_sample_width(sample_width, self.config.sample_width)
         validate_batch(view, self.config.max_num_reqs)
+        if self.device_steps is not None:
+            return self._prepare_device(view, sampled_token_ids, num_sampled, num_rejected,
+                                        draft_tokens, sample_width)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
             num_reqs=view.num_reqs,
@@ -345,19 +379,53 @@ class TokenPath:
         step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
         return step, drafts_np
 
-    def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
-        """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
-        Returns the rows needing a sample; 0 means the step had no transfer."""
+    def _prepare_device(
+        self, view: BatchView, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor, draft_tokens: torch.Tensor | None, sample_width: int | None,
+    ) -> tuple[PreparedStep, torch.Tensor | None]:
+        c = self.config
+        device = self.platform.device
+        outputs = check_sampled_meta(sampled_token_ids, num_sampled, num_rejected,
+                                     num_reqs=view.num_reqs, sample_width=c.sample_width,
+                                     device=device)
+        drafts = None if draft_tokens is None else check_step_drafts_meta(
+            draft_tokens, num_reqs=view.num_reqs, num_drafts=c.num_speculative_steps,
+            device=device)
+        w = outputs[0].shape[1]
+        if sample_width is not None and w > sample_width:
+            raise BatchError(f"sampled_token_ids.shape[1] = {w} exceeds the "
+                             f"step's sample width {sample_width}")
+        step = PreparedStep(view, need_sampled_mask(view), None, None, None, sample_width,
+                            outputs)
+        return step, drafts
+
+    def send(
+        self, step: PreparedStep, drafts_np: np.ndarray | torch.Tensor | None = None
+    ) -> int:
+        """Broadcast a prepared step (drafts_np: [num_reqs, K] or None; the
+        device codec takes a tensor). Returns the rows needing a sample; 0
+        means the step had no transfer."""
         self._check_role(self.names.publish, last=True)
         if not isinstance(step, PreparedStep):
             raise BatchError(f"step must be a PreparedStep from prepare(), got "
                              f"{type(step).__name__}")
-        if drafts_np is not None and (
+        if self.device_steps is not None:
+            self.device_steps.judge_sent()
+            if isinstance(drafts_np, np.ndarray):
+                drafts_np = torch.from_numpy(drafts_np)
+            if drafts_np is not None:
+                drafts_np = check_step_drafts_meta(
+                    drafts_np, num_reqs=step.view.num_reqs,
+                    num_drafts=self.config.num_speculative_steps, device=self.platform.device)
+        elif isinstance(drafts_np, torch.Tensor):
+            drafts_np = check_step_drafts(drafts_np, num_reqs=step.view.num_reqs,
+                                          num_drafts=self.config.num_speculative_steps)
+        if isinstance(drafts_np, np.ndarray) and (
             not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
         ):
             raise BatchError(f"drafts must be an integer numpy array, got "
                              f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
-        if drafts_np is not None and drafts_np.shape != (step.view.num_reqs,
+        if isinstance(drafts_np, np.ndarray) and drafts_np.shape != (step.view.num_reqs,
                                                          self.config.num_speculative_steps):
             raise BatchError(
                 f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
@@ -375,10 +443,24 @@ class TokenPath:
                           codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np),
                           slot_need_words(v.idx_mapping_np, step.need_np),
                           v.num_computed_tokens_np, step.sample_width)
-        buf = codec.new_buffer(frame.num_reqs)
-        flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
-                                     step.num_rejected_np, drafts_np)
-        work = self._issue(buf)
+        if self.device_steps is not None:
+            if step.outputs is None:
+                raise BatchError("step was prepared for the host codec; this path uses the "
+                                 "device codec")
+            assert not isinstance(drafts_np, np.ndarray)
+            buf, work, flags = self.device_steps.send(frame, step.outputs, drafts_np,
+                                                      self._issue)
+            checksum = 0  # on the device; the host does not read it
+        else:
+            if step.tokens_np is None or step.num_sampled_np is None or (
+                    step.num_rejected_np is None):
+                raise BatchError("step was prepared for the device codec; this path uses "
+                                 "the host codec")
+            assert not isinstance(drafts_np, torch.Tensor)
+            buf = codec.new_buffer(frame.num_reqs)
+            flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np,
+                                         step.num_sampled_np, step.num_rejected_np, drafts_np)
+            work = self._issue(buf)
         self.recorder.issue(work, self.steps - 1, self.seq, 0, frame.num_reqs, needed,
                             frame.idx_digest, checksum, flags)
         self._inflight.append((buf, work))
@@ -434,12 +516,16 @@ class TokenPath:
                           self.codec.idx_digest(idx_np, view.num_computed_tokens_np),
                           slot_need_words(idx_np, need),
                           view.num_computed_tokens_np.astype(np.int64), sample_width)
-        buf = self.codec.new_buffer(frame.num_reqs)
-        work = self._issue(buf)
+        staging = None
+        if self.device_steps is not None:
+            buf, staging, work = self.device_steps.post(frame, self._issue)
+        else:
+            buf = self.codec.new_buffer(frame.num_reqs)
+            work = self._issue(buf)
         self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
                             needed, frame.idx_digest, 0, 0)
         self.ring.fill_tail(PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np),
-                                        buf, work, expect_drafts))
+                                        buf, work, expect_drafts, staging))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
@@ -492,14 +578,37 @@ class TokenPath:
             self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0)
             return None
         wait_from_ns = time.monotonic_ns()
-        self._wait(head.work, f"receive of frame {head.frame.seq}")
-        try:
-            released = self._release(head, keep, table)
-        except DesyncError as e:
-            raise self.failed(e) from None
-        self.codec.recycle(head.buf)  # everything released was copied out
+        if self.device_steps is not None:
+            released = self._release_device(head, keep, table)
+        else:
+            self._wait(head.work, f"receive of frame {head.frame.seq}")
+            try:
+                released = self._release(head, keep, table)
+            except DesyncError as e:
+                raise self.failed(e) from None
+            self.codec.recycle(head.buf)  # everything released was copied out
         self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, wait_from_ns)
         return released
+
+    def _release_device(
+        self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
+    ) -> ReleasedStep:
+        """The device codec's consume: a bad verdict (this step's, or the
+        step before whose event had not completed) raises here."""
+        steps = self.device_steps
+        assert steps is not None and head.staging is not None
+        what = f"receive of frame {head.frame.seq}"
+        try:
+            return steps.release(head.frame, head.buf, head.staging, head.work, keep,
+                                 head.idx_np, table, head.expect_drafts,
+                                 lambda work: self._wait(work, what))
+        except DesyncError as e:
+            raise self.failed(e) from None
+        except BatchError as e:
+            # the last rank sent bad values: every rank raises from the frame
+            # itself, so the board is not asked (it would rename the cause)
+            dump_on_error(self, e)
+            raise
 
     def _release(
         self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
@@ -550,6 +659,8 @@ class TokenPath:
                     _, work = self._inflight.popleft()
                     self._wait(work, "draining transfer")
                 self.recorder.drained(self.steps)
+                if self.device_steps is not None:
+                    self._judge_all()
         finally:
             abandoned = any(not finished(s.work) for s in self.ring.pending()) or any(
                 not finished(w) for _, w in self._inflight)
@@ -560,6 +671,15 @@ class TokenPath:
                 keep_until_exit(self.group)
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
+
+    def _judge_all(self) -> None:
+        """After a drain: every verdict not yet read (device codec)."""
+        steps = self.device_steps
+        assert steps is not None
+        if self.is_last:
+            steps.judge_sent(all_=True)
+        else:
+            steps.judge_received(all_=True)
 
     @property
     def closed(self) -> bool:

@@ -20,13 +20,14 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FRAME_FORMAT_VERSION
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
-           "exact_wire")
+           "exact_wire", "device_codec")
 
 
 def config_words(config: SyncConfig) -> list[int]:
     """What every rank must agree on, as integers (see ``_FIELDS``)."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
-            config.num_speculative_steps, config.depth, int(config.wire == "exact")]
+            config.num_speculative_steps, config.depth, int(config.wire == "exact"),
+            int(config.codec == "device")]
 
 
 class Handshake:
