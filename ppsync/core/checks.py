@@ -87,6 +87,21 @@ def check_step_drafts_meta(
     return drafts
 
 
+def check_draft_table_meta(
+    draft_tokens: object, *, max_num_reqs: int, num_drafts: int, device: torch.device,
+    name: str = "draft_tokens",
+) -> torch.Tensor:
+    """The device codec's checks of a [max_num_reqs, K] draft table (values
+    not read)."""
+    if num_drafts == 0:
+        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+    table = _meta(name, draft_tokens, 2, device)
+    if tuple(table.shape) != (max_num_reqs, num_drafts):
+        raise BatchError(f"{name}.shape = {tuple(table.shape)} must be (max_num_reqs, K) = "
+                         f"({max_num_reqs}, {num_drafts})")
+    return table
+
+
 def _first_bad(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> BatchError:
     i = np.unravel_index(int(np.argmax(bad)), bad.shape)
     where = ", ".join(str(int(x)) for x in i)
