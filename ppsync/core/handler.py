@@ -154,7 +154,15 @@ class TokenPath:
         self.board = FailureBoard.of_group(group) if board == "group" else board
         bound_group_timeout(group, config.timeout_s)
         self._broadcaster = Broadcaster(group, config.pp_size - 1)
-        self.handshake: Handshake | None = Handshake(config, group, rank=self.rank)
+        self.platform = (platform if isinstance(platform, Platform)
+                         else platform_for(device, platform))
+        self.backend = str(dist.get_backend(group))
+        on_device = self.backend in ("nccl", "xccl")  # these take device tensors only
+        if on_device and config.codec != "device":  # before the handshake: nothing issued
+            raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
+                              f"group's backend {self.backend} needs codec = 'device'")
+        self.handshake: Handshake | None = Handshake(
+            config, group, rank=self.rank, device=self.platform.device if on_device else None)
         """Issued at once; finished here, or by the caller (``wait_handshake``
         False: an event loop awaits its work, then calls finish_handshake)."""
         self.run_id = 0
@@ -162,14 +170,11 @@ class TokenPath:
         if wait_handshake:
             self.finish_handshake()
         self.codec = FrameCodec(config)
-        self.platform = (platform if isinstance(platform, Platform)
-                         else platform_for(device, platform))
         self.device_steps: DeviceSteps | None = None
         """With ``config.codec == "device"``: the device codec's steps."""
         if config.codec == "device":
-            self.device_steps = DeviceSteps(config, self.platform,
-                                            backend=dist.get_backend(group), rank=self.rank,
-                                            src=self.src)
+            self.device_steps = DeviceSteps(config, self.platform, backend=self.backend,
+                                            rank=self.rank, src=self.src)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
         self.seq = 0  # frames issued on this group so far
