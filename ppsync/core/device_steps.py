@@ -83,6 +83,10 @@ class DeviceSteps:
             return self._staging.pop()
         return self.platform.host_buffer(self.codec.staging_words())
 
+    def reuse(self, staging: torch.Tensor) -> None:
+        """Give back a staging buffer no pending copy reads."""
+        self._staging.append(staging)
+
     def _verdict(self, staging: torch.Tensor) -> torch.Tensor:
         return staging[-1:]
 
@@ -165,9 +169,9 @@ class DeviceSteps:
         host_wait: Callable[[dist.Work], None],
     ) -> ReleasedStep:
         """Check the frame and hand out device tensors (the main stream waits
-        on the step's event). Judges earlier steps first; the step's own
-        verdict is judged now if its event completed, else at the next call."""
-        self.judge_received()
+        on the step's event). The step's own
+        verdict is judged now if its event completed, else at the next call
+        (the token path judges earlier steps before its ring moves)."""
         p, codec, lay = self.platform, self.codec, self.codec.layout
         n, L, K, R = frame.num_reqs, lay.sample_width, lay.num_drafts, lay.max_num_reqs
         w = frame.width(lay)

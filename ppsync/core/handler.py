@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -73,6 +73,8 @@ from ppsync.errors import (
 )
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_HAS_DRAFTS
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,6 +573,10 @@ class TokenPath:
                 num_drafts=self.config.num_speculative_steps,
             )
         self._prune()
+        if self.device_steps is not None:
+            # an earlier step's verdict, read now that its event completed:
+            # raised before the ring moves, so this consume can be retried
+            self._judged(self.device_steps.judge_received)
         head = self.ring.advance()
         self._tail_open = True
         if head is None:
@@ -580,6 +586,8 @@ class TokenPath:
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.
             self._inflight.append((head.buf, head.work))
+            if self.device_steps is not None and head.staging is not None:
+                self.device_steps.reuse(head.staging)  # the receive never touches it
             self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0)
             return None
         wait_from_ns = time.monotonic_ns()
@@ -598,20 +606,25 @@ class TokenPath:
     def _release_device(
         self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
     ) -> ReleasedStep:
-        """The device codec's consume: a bad verdict (this step's, or the
-        step before whose event had not completed) raises here."""
-        steps = self.device_steps
-        assert steps is not None and head.staging is not None
+        """The device codec's consume: this step's bad verdict raises here
+        when its event has completed (else at the next consume)."""
+        steps, staging = self.device_steps, head.staging
+        assert steps is not None and staging is not None
         what = f"receive of frame {head.frame.seq}"
+        return self._judged(lambda: steps.release(
+            head.frame, head.buf, staging, head.work, keep, head.idx_np, table,
+            head.expect_drafts, lambda work: self._wait(work, what)))
+
+    def _judged(self, call: Callable[[], T]) -> T:
+        """``call()``, with a device verdict's error raised as the path's own:
+        a DesyncError through the board; a BatchError (the last rank sent bad
+        values) as it is, since every rank raises it from the frame itself
+        (the board would rename the cause)."""
         try:
-            return steps.release(head.frame, head.buf, head.staging, head.work, keep,
-                                 head.idx_np, table, head.expect_drafts,
-                                 lambda work: self._wait(work, what))
+            return call()
         except DesyncError as e:
             raise self.failed(e) from None
         except BatchError as e:
-            # the last rank sent bad values: every rank raises from the frame
-            # itself, so the board is not asked (it would rename the cause)
             dump_on_error(self, e)
             raise
 

@@ -5,6 +5,7 @@ the group stays usable."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from helpers import decode_view
 
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
+from ppsync.core.platform import Platform, StepEvent
 from ppsync.errors import BatchError, DesyncError
 from ppsync.harness.driver import Backend
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -61,39 +63,65 @@ def _outputs(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, ns, nr
 
 
-def _bad_values_rank(env: RankEnv) -> Seen:
+class LaggingEvent:
+    """An event whose device work completes one query late, as a busy GPU's."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > 1
+
+    def synchronize(self) -> None:
+        self.queries = 2
+
+
+class LaggingPlatform(Platform):
+    """The CPU platform, except that each step's event completes late."""
+
+    def record_event(self, stream: object) -> StepEvent:
+        return LaggingEvent()
+
+
+def _consume(path: TokenPath, seen: Seen) -> None:
+    out = path.consume()
+    if out is not None:
+        seen.released.append(out.seq)
+
+
+def _bad_values_rank(lag: bool, env: RankEnv) -> Seen:
     config = SyncConfig.build(pp_size=P, max_num_reqs=8, num_speculative_steps=K,
                               timeout_s=TIMEOUT_S, codec="device")
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-    path = TokenPath(config, group)
+    path = TokenPath(config, group,
+                     platform=LaggingPlatform(torch.device("cpu")) if lag else None)
     seen = Seen()
     view = decode_view([1, 4, 6])
-    for t in range(STEPS):
+    for t in range(STEPS + P):  # the last P steps only drain the receivers' rings
         if path.is_last:
+            if t >= STEPS:
+                continue
             try:
                 path.publish(view, *_outputs(t))
             except BatchError as e:
                 seen.errors[t] = str(e)
                 path.publish(view, *_outputs(t))  # nothing was sent: the step goes now
-        else:
-            try:
-                out = path.consume()
-                if out is not None:
-                    seen.released.append(out.seq)
-            except BatchError as e:
-                seen.errors[t] = str(e)
+            continue
+        try:
+            _consume(path, seen)
+        except BatchError as e:
+            seen.errors[t] = str(e)
+            if lag:  # the verdict of a step released before: the ring has not moved
+                _consume(path, seen)
+        if t < STEPS:
             path.post(view)
-    for _ in range(P):  # drain: release the last D steps
-        if not path.is_last:
-            out = path.consume()
-            assert out is not None
-            seen.released.append(out.seq)
     path.close()
     return seen
 
 
 def test_bad_values_raise_one_step_late_on_every_rank() -> None:
-    seen = spawn_ranks(_bad_values_rank, P, timeout_s=TIMEOUT_S)
+    seen = spawn_ranks(functools.partial(_bad_values_rank, False), P, timeout_s=TIMEOUT_S)
     *receivers, last = seen
     # the last rank: at its next call, naming field, row and value
     assert sorted(last.errors) == [3, 7]
@@ -130,3 +158,21 @@ def test_a_group_mixing_codecs_is_a_desync_at_the_handshake() -> None:
     for rank, msg in enumerate(spawn_ranks(_mixed_rank, 2, timeout_s=TIMEOUT_S)):
         mine, theirs = (1, 0) if rank == 0 else (0, 1)
         assert re.search(rf"device_codec: mine {mine} vs rank {1 - rank} {theirs}", msg), msg
+
+
+def test_a_verdict_whose_event_is_late_raises_at_the_next_call() -> None:
+    """Events that complete one query late (a busy GPU): the last rank still
+    raises at its next call (prepare looks, then send looks again, before
+    anything is issued); receivers at the next consume, before their ring
+    moves, so that consume can be made again; the bad frame itself was
+    already handed out."""
+    seen = spawn_ranks(functools.partial(_bad_values_rank, True), P, timeout_s=TIMEOUT_S)
+    *receivers, last = seen
+    assert sorted(last.errors) == [3, 7]
+    assert "num_sampled[1] = 4 outside [0, w = 3]" in last.errors[3]
+    assert "num_rejected[0] = -1 outside [0, K = 2]" in last.errors[7]
+    for r in receivers:
+        assert sorted(r.errors) == [2 + P + 1, 6 + P + 1]
+        assert "frame seq 2 from the last rank" in r.errors[2 + P + 1]
+        assert "frame seq 6 from the last rank" in r.errors[6 + P + 1]
+        assert r.released == list(range(STEPS))
