@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     _workload_flags(la)
     ru = sub.add_parser("run", help="one rank from torchrun's environment (RANK, WORLD_SIZE, "
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 prints the table")
+    ru.add_argument("--device", choices=["cpu", "cuda", "xpu"], default="cpu",
+                    help="where each rank's tensors live: cuda / xpu use the accelerator at "
+                    "LOCAL_RANK (modulo the visible count) and token groups on nccl / xccl; "
+                    "needs --codec device (default cpu)")
     ru.add_argument("--pp-size", type=_positive, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
@@ -206,7 +210,8 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size or world.world_size)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
-                      None if args.quiet else args.progress_every, args.join_timeout)
+                      None if args.quiet else args.progress_every, args.join_timeout,
+                      args.device)
     report = run_rank(config, opts, world)
     if world.rank == 0:
         return _finish(args, report)

@@ -256,7 +256,8 @@ def run_async_rank_blocking(
     board: FailureBoard | None = None,
     jitter_us: float = 0.0,
     progress: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
 ) -> RankReport:
     """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
-    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, progress,
+    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, progress, device,
                      backend=backend)
