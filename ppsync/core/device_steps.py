@@ -208,7 +208,7 @@ class DeviceSteps:
         out = [tokens, num_sampled, num_rejected, idx_mapping]
         if drafts is not None:
             out.append(drafts)
-        for t in out:
+        for t in (*out, facts, has_drafts):
             p.record_stream(t, main)  # made on the side stream, used on the main one
         if table is not None and drafts is not None and nk:
             # rule 4 on the device: kept rows only; a frame without drafts
