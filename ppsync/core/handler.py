@@ -18,7 +18,9 @@ rank raises there and leaves the group usable. Every wait is bounded by
 This file holds only what needs the path's state (ring, in-flight works,
 sequence numbers, the failure board); each rule it applies lives in its own
 module (mask, ring, generations, frame, checks, transport, liveness,
-recorder).
+recorder); with ``codec="device"`` the packing, checks, streams, events and
+deferred verdicts are in device_codec and device_steps, and this file only
+branches to them.
 """
 
 from __future__ import annotations
@@ -424,20 +426,18 @@ class TokenPath:
                 drafts_np = check_step_drafts_meta(
                     drafts_np, num_reqs=step.view.num_reqs,
                     num_drafts=self.config.num_speculative_steps, device=self.platform.device)
-        elif isinstance(drafts_np, torch.Tensor):
-            drafts_np = check_step_drafts(drafts_np, num_reqs=step.view.num_reqs,
-                                          num_drafts=self.config.num_speculative_steps)
-        if isinstance(drafts_np, np.ndarray) and (
-            not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
-        ):
-            raise BatchError(f"drafts must be an integer numpy array, got "
-                             f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
-        if isinstance(drafts_np, np.ndarray) and drafts_np.shape != (step.view.num_reqs,
-                                                         self.config.num_speculative_steps):
-            raise BatchError(
-                f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
-                f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
-            )
+        else:
+            if drafts_np is not None and (
+                not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
+            ):
+                raise BatchError(f"drafts must be an integer numpy array, got "
+                                 f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
+            if drafts_np is not None and drafts_np.shape != (
+                    step.view.num_reqs, self.config.num_speculative_steps):
+                raise BatchError(
+                    f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
+                    f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
+                )
         self.steps += 1
         needed = step.num_needed
         if needed == 0:
