@@ -178,6 +178,11 @@ def platform_for(device: torch.device | str | None, name: str | None = None) -> 
     """The platform of ``device`` (default CPU); ``name`` overrides the choice
     (one of cpu, cuda, xpu). ConfigError for an unknown name or device type."""
     dev = torch.device("cpu" if device is None else device)
+    mod = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu") else None
+    if dev.index is None and mod is not None and mod.is_available():
+        # "cuda" means the current device: tensors report "cuda:N", and the
+        # token path compares devices
+        dev = torch.device(dev.type, mod.current_device())
     chosen = dev.type if name is None else name
     cls = _BY_NAME.get(chosen)
     if cls is None:
