@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -64,6 +64,12 @@ wheelhouse: $(STAMP)
 # root): a clean 3-rank run, then one with a container killed mid-run.
 compose-test: wheelhouse
 	services/compose_test.sh
+
+# On a GPU machine, with a CUDA build of torch in $(VENV) (create the venv and
+# `pip install torch` first: a venv that has a torch keeps it). Checks the device
+# path (README "GPU check"); exits 2 where there is no CUDA. Bounded at 5 minutes.
+gpu-check: $(STAMP)
+	timeout 300 $(PY) -m ppsync.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

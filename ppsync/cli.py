@@ -60,6 +60,9 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--ring-depth", type=_positive, default=None, help="D (default pp_size)")
     la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
     la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
+    la.add_argument("--codec", choices=["host", "device"], default="host",
+                    help="frame codec: host (numpy, the CPU default) or device (torch ops, "
+                    "checks deferred one step; runs on CPU tensors here)")
     la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
@@ -93,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     _workload_flags(la)
     ru = sub.add_parser("run", help="one rank from torchrun's environment (RANK, WORLD_SIZE, "
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 prints the table")
+    ru.add_argument("--device", choices=["cpu", "cuda", "xpu"], default="cpu",
+                    help="where each rank's tensors live: cuda / xpu use the accelerator at "
+                    "LOCAL_RANK (modulo the visible count) and token groups on nccl / xccl; "
+                    "needs --codec device (default cpu)")
     ru.add_argument("--pp-size", type=_positive, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
@@ -156,6 +163,7 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
         ring_depth=args.ring_depth,
         timeout_s=args.timeout,
         wire=args.wire,
+        codec=args.codec,
         flight_events=args.flight_events,
     )
 
@@ -204,7 +212,8 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size or world.world_size)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
-                      None if args.quiet else args.progress_every, args.join_timeout)
+                      None if args.quiet else args.progress_every, args.join_timeout,
+                      args.device)
     report = run_rank(config, opts, world)
     if world.rank == 0:
         return _finish(args, report)

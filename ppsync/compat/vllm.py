@@ -59,10 +59,11 @@ from ppsync.compat.vllm_checks import (
 from ppsync.compat.vllm_interface import Interface, relay_keys_of, resolve_interface
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import batch_view_of
-from ppsync.core.checks import check_draft_table, check_step_drafts
+from ppsync.core.checks import check_draft_table, check_draft_table_meta, check_step_drafts
 from ppsync.core.groups import token_group
 from ppsync.core.handler import CallNames, PreparedStep, TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.platform import platform_for
 from ppsync.errors import BatchError, ConfigError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 
@@ -111,6 +112,7 @@ class PPHandler:
         timeout_s: float = 60.0,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
+        codec: Literal["host", "device"] | None = None,
     ) -> None:
         self.interface: Interface = resolve_interface(interface)
         if not dist.is_initialized():
@@ -121,20 +123,29 @@ class PPHandler:
         pp_group = dist.group.WORLD if group is None else group
         if pp_group is None:  # pragma: no cover - is_initialized() says there is one
             raise ConfigError("no default process group; pass group= explicitly")
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
+        if codec is None:  # a GPU engine must not sync per step: the device codec there
+            codec = "host" if self.device.type == "cpu" else "device"
         config = SyncConfig.build(
             pp_size=dist.get_world_size(pp_group),
             max_num_reqs=max_num_reqs,
             num_speculative_steps=num_speculative_steps,
             ring_depth=ring_depth,
             timeout_s=timeout_s,
+            codec=codec,
         )
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         self.config = config
-        tokens = token_group(pp_group, timeout_s=config.timeout_s, backend="gloo")
-        self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES)
+        # the device codec's frames live on the engine's device: its backend
+        # (nccl on CUDA, xccl on XPU); host frames go over gloo
+        platform = platform_for(self.device)
+        backend = platform.backend if codec == "device" else "gloo"
+        tokens = token_group(pp_group, timeout_s=config.timeout_s, backend=backend)
+        self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,
+                               device=self.device if codec == "device" else None,
+                               platform=platform if codec == "device" else None)
         self._aux = AuxRelay()
         self._held: PreparedStep | None = None  # last rank, K > 0: waiting for its drafts
 
@@ -247,10 +258,12 @@ class PPHandler:
                     "when input_batch.num_draft_tokens > 0, else 1)")
         step, _ = self._path.prepare(batch_view_of(input_batch), sampled_token_ids,
                                      num_sampled, num_rejected, sample_width=width)
-        if width == 1 and step.num_rejected_np.any():
-            row = int(np.argmax(step.num_rejected_np != 0))
+        # (the device codec checks num_rejected against K on the device only)
+        nr_np = step.num_rejected_np
+        if width == 1 and nr_np is not None and nr_np.any():
+            row = int(np.argmax(nr_np != 0))
             raise BatchError(
-                f"num_rejected[{row}] = {int(step.num_rejected_np[row])} but this step has "
+                f"num_rejected[{row}] = {int(nr_np[row])} but this step has "
                 "no drafts (input_batch.num_draft_tokens = 0), so nothing can be rejected")
         if self.config.num_speculative_steps == 0:
             self._path.send(step)
@@ -281,16 +294,31 @@ class PPHandler:
                 "broadcast_drafts(draft_tokens, input_batch)",
                 "broadcast_drafts() takes the drafts [num_reqs, K] only, already gathered")
         K = self.config.num_speculative_steps
+        on_device = self._path.device_steps is not None
         table_np = None
-        if self.interface == "0.32":
+        if self.interface == "0.32" and not on_device:
             table_np = check_draft_table(draft_tokens, max_num_reqs=self.config.max_num_reqs,
                                          num_drafts=K)
+        if self.interface == "0.32" and on_device:
+            check_draft_table_meta(draft_tokens, max_num_reqs=self.config.max_num_reqs,
+                                   num_drafts=K, device=self._path.platform.device)
         held = self._held
         if held is None:
             raise ProtocolError(
                 "broadcast_drafts() without a held step: call broadcast() first in the same "
                 "step, and broadcast_drafts() at most once per step"
             )
+        if on_device:
+            drafts: torch.Tensor = draft_tokens
+            if self.interface == "0.32":
+                check_held_batch(held, input_batch, self.config.max_num_reqs)
+                # gathered on the device (rule 4's rows); the slots are host facts
+                idx = torch.from_numpy(held.view.idx_mapping_np.astype(np.int64))
+                drafts = draft_tokens.index_select(0, idx.to(draft_tokens.device,
+                                                             non_blocking=True))
+            self._held = None
+            self._path.send(held, drafts)  # the meta checks of [num_reqs, K] run there
+            return
         if table_np is None:
             drafts_np = check_step_drafts(draft_tokens, num_reqs=held.view.num_reqs,
                                           num_drafts=K)

@@ -96,13 +96,20 @@ def detached(step: PreparedStep) -> PreparedStep:
         max_seq_len_np=None if v.max_seq_len_np is None else v.max_seq_len_np.copy(),
         is_prefilling_np=None if v.is_prefilling_np is None else v.is_prefilling_np.copy(),
     )
+    def own(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a.copy()
+
+    outputs = step.outputs
+    if outputs is not None:  # device codec: clones on the current stream, no host read
+        outputs = (outputs[0].clone(), outputs[1].clone(), outputs[2].clone())
     return dataclasses.replace(
         step,
         view=view,
         need_np=step.need_np.copy(),
-        tokens_np=step.tokens_np.copy(),
-        num_sampled_np=step.num_sampled_np.copy(),
-        num_rejected_np=step.num_rejected_np.copy(),
+        tokens_np=own(step.tokens_np),
+        num_sampled_np=own(step.num_sampled_np),
+        num_rejected_np=own(step.num_rejected_np),
+        outputs=outputs,
     )
 
 

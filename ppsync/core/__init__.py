@@ -1,9 +1,11 @@
 """Synchronous core (torch + numpy): need-sampled mask, generation table,
-slot ring, frame codec, process groups, the failure board, the flight recorder
-and its dumps, and the handler that combines them."""
+slot ring, frame codecs (host: numpy; device: torch ops), platforms (cpu,
+cuda, xpu), process groups, the failure board, the flight recorder and its
+dumps, and the handler that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
+from ppsync.core.device_codec import DeviceFrameCodec
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
@@ -11,6 +13,7 @@ from ppsync.core.groups import pipeline_layout, token_group, token_groups
 from ppsync.core.handler import PendingStep, PreparedStep, TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
@@ -18,12 +21,14 @@ from ppsync.core.ring import SlotRing
 __all__ = [
     "AuxRelay",
     "BatchView",
+    "DeviceFrameCodec",
     "FailureBoard",
     "FlightRecorder",
     "FrameCodec",
     "FrameView",
     "GenerationTable",
     "PendingStep",
+    "Platform",
     "PreparedStep",
     "ReleasedStep",
     "SlotRing",
@@ -33,6 +38,7 @@ __all__ = [
     "install_dump_triggers",
     "need_sampled_mask",
     "pipeline_layout",
+    "platform_for",
     "token_group",
     "token_groups",
     "validate_batch",

@@ -31,6 +31,77 @@ def _host(
     return t.detach().cpu().numpy()
 
 
+def _meta(name: str, t: object, ndim: int, device: torch.device,
+          dtypes: tuple[torch.dtype, ...] = _INT_DTYPES) -> torch.Tensor:
+    """Type, dtype, dims and device of ``t``; its values are not read."""
+    if not isinstance(t, torch.Tensor):
+        raise BatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise BatchError(f"{name}.dtype = {t.dtype} must be {allowed}")
+    if t.dim() != ndim:
+        raise BatchError(f"{name} has {t.dim()} dims, shape {tuple(t.shape)}; {ndim} expected")
+    if t.device != device:
+        raise BatchError(f"{name} is on {t.device}; the token path's device is {device}")
+    return t.detach()
+
+
+def check_sampled_meta(
+    sampled_token_ids: object,  # [num_reqs, w] int64, 1 <= w <= L
+    num_sampled: object,  # [num_reqs] int32
+    num_rejected: object,  # [num_reqs] int32
+    *,
+    num_reqs: int,
+    sample_width: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device codec's immediate checks of one step's sampler outputs:
+    types, dtypes, shapes, device. The values are checked on the device
+    (ppsync.core.device_codec), without a host sync."""
+    tokens = _meta("sampled_token_ids", sampled_token_ids, 2, device, (torch.int64,))
+    ns = _meta("num_sampled", num_sampled, 1, device)
+    nr = _meta("num_rejected", num_rejected, 1, device)
+    rows, w = tokens.shape
+    if rows != num_reqs:
+        raise BatchError(f"sampled_token_ids.shape[0] = {rows} must equal num_reqs = {num_reqs}")
+    if not 1 <= w <= sample_width:
+        raise BatchError(f"sampled_token_ids.shape[1] = {w} must lie in [1, L = {sample_width}] "
+                         "(L = num_speculative_steps + 1)")
+    for name, t in (("num_sampled", ns), ("num_rejected", nr)):
+        if t.shape[0] != num_reqs:
+            raise BatchError(f"{name}.shape = {tuple(t.shape)} must be (num_reqs,) = "
+                             f"({num_reqs},)")
+    return tokens, ns, nr
+
+
+def check_step_drafts_meta(
+    draft_tokens: object, *, num_reqs: int, num_drafts: int, device: torch.device
+) -> torch.Tensor:
+    """The device codec's checks of one step's drafts [num_reqs, K]."""
+    if num_drafts == 0:
+        raise BatchError("draft_tokens given but num_speculative_steps = 0: there are no drafts")
+    drafts = _meta("draft_tokens", draft_tokens, 2, device)
+    if tuple(drafts.shape) != (num_reqs, num_drafts):
+        raise BatchError(f"draft_tokens.shape = {tuple(drafts.shape)} must be (num_reqs, K) = "
+                         f"({num_reqs}, {num_drafts})")
+    return drafts
+
+
+def check_draft_table_meta(
+    draft_tokens: object, *, max_num_reqs: int, num_drafts: int, device: torch.device,
+    name: str = "draft_tokens",
+) -> torch.Tensor:
+    """The device codec's checks of a [max_num_reqs, K] draft table (values
+    not read)."""
+    if num_drafts == 0:
+        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+    table = _meta(name, draft_tokens, 2, device)
+    if tuple(table.shape) != (max_num_reqs, num_drafts):
+        raise BatchError(f"{name}.shape = {tuple(table.shape)} must be (max_num_reqs, K) = "
+                         f"({max_num_reqs}, {num_drafts})")
+    return table
+
+
 def _first_bad(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> BatchError:
     i = np.unravel_index(int(np.argmax(bad)), bad.shape)
     where = ", ".join(str(int(x)) for x in i)

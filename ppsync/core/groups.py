@@ -68,10 +68,12 @@ def check_layout(layout: Sequence[Sequence[int]], world_size: int) -> None:
 
 
 def token_groups(
-    layout: Sequence[Sequence[int]], *, timeout_s: float
+    layout: Sequence[Sequence[int]], *, timeout_s: float, backend: str | None = None
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Create every PP group of ``layout`` and its token group, in layout
     order, on every world rank; return this rank's (pp_group, token_group).
+    ``backend``: the token groups' (None = the default group's; "nccl" for
+    the device codec's frames on CUDA).
 
     Collective over the whole world: every world rank must call it with the
     same layout."""
@@ -80,7 +82,7 @@ def token_groups(
     mine: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
     for ranks in layout:
         pp = dist.new_group(list(ranks), timeout=_timeout(timeout_s))
-        tok = dist.new_group(list(ranks), timeout=_timeout(timeout_s))
+        tok = dist.new_group(list(ranks), timeout=_timeout(timeout_s), backend=backend)
         if me in ranks:
             assert pp is not None and tok is not None
             mine = (pp, tok)

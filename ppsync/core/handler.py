@@ -18,24 +18,33 @@ rank raises there and leaves the group usable. Every wait is bounded by
 This file holds only what needs the path's state (ring, in-flight works,
 sequence numbers, the failure board); each rule it applies lives in its own
 module (mask, ring, generations, frame, checks, transport, liveness,
-recorder).
+recorder); with ``codec="device"`` the packing, checks, streams, events and
+deferred verdicts are in device_codec and device_steps, and this file only
+branches to them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView, validate_batch
-from ppsync.core.checks import check_draft_target, check_sampled, check_step_drafts
+from ppsync.core.checks import (
+    check_draft_target,
+    check_sampled,
+    check_sampled_meta,
+    check_step_drafts,
+    check_step_drafts_meta,
+)
+from ppsync.core.device_steps import DeviceSteps
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
 from ppsync.core.frame import (
     FrameCodec,
@@ -48,6 +57,7 @@ from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
 from ppsync.core.mask import need_sampled_mask
+from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
@@ -65,6 +75,8 @@ from ppsync.errors import (
 )
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_HAS_DRAFTS
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,7 @@ class PendingStep:
     buf: torch.Tensor  # [words] int64 frame buffer the receive fills
     work: dist.Work
     expect_drafts: bool | None = None  # None: take the frame's word for it
+    staging: torch.Tensor | None = None  # device codec: host facts of this rank's view
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +110,12 @@ class PreparedStep:
 
     view: BatchView
     need_np: np.ndarray  # [num_reqs] bool
-    tokens_np: np.ndarray  # [num_reqs, w] int
-    num_sampled_np: np.ndarray  # [num_reqs] int
-    num_rejected_np: np.ndarray  # [num_reqs] int
+    tokens_np: np.ndarray | None  # [num_reqs, w] int; None with the device codec
+    num_sampled_np: np.ndarray | None  # [num_reqs] int; None with the device codec
+    num_rejected_np: np.ndarray | None  # [num_reqs] int; None with the device codec
     sample_width: int | None = None  # the step's width w in the header; None = L
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The device codec's unread (tokens, num_sampled, num_rejected)."""
 
     @property
     def num_needed(self) -> int:
@@ -119,12 +134,16 @@ class TokenPath:
         board: FailureBoard | Literal["group"] | None = "group",
         names: CallNames = CallNames(),
         wait_handshake: bool = True,
+        device: torch.device | str | None = None,
+        platform: str | Platform | None = None,
     ) -> None:
         """``board``: where ranks post failures, so that one cause gives one
         error type on every rank, naming the culprit (see
         ppsync.core.liveness); "group" (the default): a board in the group's
         own store; None: no board, each rank reports only what it saw.
-        ``names``: the caller's names for consume/post/publish, used in errors."""
+        ``names``: the caller's names for consume/post/publish, used in errors.
+        ``device``: where the device codec's frames live (default CPU);
+        ``platform``: cpu, cuda or xpu (default: the device's type)."""
         size = dist.get_world_size(group)
         if size != config.pp_size:
             raise ConfigError(
@@ -139,7 +158,15 @@ class TokenPath:
         self.board = FailureBoard.of_group(group) if board == "group" else board
         bound_group_timeout(group, config.timeout_s)
         self._broadcaster = Broadcaster(group, config.pp_size - 1)
-        self.handshake: Handshake | None = Handshake(config, group, rank=self.rank)
+        self.platform = (platform if isinstance(platform, Platform)
+                         else platform_for(device, platform))
+        self.backend = str(dist.get_backend(group))
+        on_device = self.backend in ("nccl", "xccl")  # these take device tensors only
+        if on_device and config.codec != "device":  # before the handshake: nothing issued
+            raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
+                              f"group's backend {self.backend} needs codec = 'device'")
+        self.handshake: Handshake | None = Handshake(
+            config, group, rank=self.rank, device=self.platform.device if on_device else None)
         """Issued at once; finished here, or by the caller (``wait_handshake``
         False: an event loop awaits its work, then calls finish_handshake)."""
         self.run_id = 0
@@ -147,6 +174,11 @@ class TokenPath:
         if wait_handshake:
             self.finish_handshake()
         self.codec = FrameCodec(config)
+        self.device_steps: DeviceSteps | None = None
+        """With ``config.codec == "device"``: the device codec's steps."""
+        if config.codec == "device":
+            self.device_steps = DeviceSteps(config, self.platform, backend=self.backend,
+                                            rank=self.rank, src=self.src)
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
         self.seq = 0  # frames issued on this group so far
@@ -234,7 +266,8 @@ class TokenPath:
             buf, work = inflight.popleft()
             self._wait(work, "earlier transfer")
             self.recorder.complete(work, self.steps)
-            self.codec.recycle(buf)
+            if self.device_steps is None:
+                self.codec.recycle(buf)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait at most timeout_s; with a board, in slices, so that a failure
@@ -324,14 +357,24 @@ class TokenPath:
         draft_tokens: torch.Tensor | None = None,
         *,
         sample_width: int | None = None,
-    ) -> tuple[PreparedStep, np.ndarray | None]:
+    ) -> tuple[PreparedStep, np.ndarray | torch.Tensor | None]:
         """Check one step's batch view, sampler outputs and (optional) drafts
         [num_reqs, K] (last rank); nothing is sent. Returns the prepared step
-        and the drafts' host array. ``sample_width``: this step's width w
-        (1..L; tokens at most w wide), for engines that vary it per step."""
+        and the drafts' host array (device codec: the drafts tensor).
+        ``sample_width``: this step's width w (1..L; tokens at most w wide),
+        for engines that vary it per step.
+
+        Device codec: dtypes, shapes and the batch view are checked here; the
+        values of num_sampled / num_rejected are checked on the device, and a
+        bad one raises BatchError at the next call (see ppsync.core.device_steps)."""
         self._check_role(self.names.publish, last=True)
+        if self.device_steps is not None:
+            self.device_steps.judge_sent()
         check_sample_width(sample_width, self.config.sample_width)
         validate_batch(view, self.config.max_num_reqs)
+        if self.device_steps is not None:
+            return self._prepare_device(view, sampled_token_ids, num_sampled, num_rejected,
+                                        draft_tokens, sample_width)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
             num_reqs=view.num_reqs,
@@ -347,25 +390,57 @@ class TokenPath:
         step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
         return step, drafts_np
 
+    def _prepare_device(
+        self, view: BatchView, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor, draft_tokens: torch.Tensor | None, sample_width: int | None,
+    ) -> tuple[PreparedStep, torch.Tensor | None]:
+        c = self.config
+        device = self.platform.device
+        outputs = check_sampled_meta(sampled_token_ids, num_sampled, num_rejected,
+                                     num_reqs=view.num_reqs, sample_width=c.sample_width,
+                                     device=device)
+        drafts = None if draft_tokens is None else check_step_drafts_meta(
+            draft_tokens, num_reqs=view.num_reqs, num_drafts=c.num_speculative_steps,
+            device=device)
+        w = outputs[0].shape[1]
+        if sample_width is not None and w > sample_width:
+            raise BatchError(f"sampled_token_ids.shape[1] = {w} exceeds the "
+                             f"step's sample width {sample_width}")
+        step = PreparedStep(view, need_sampled_mask(view), None, None, None, sample_width,
+                            outputs)
+        return step, drafts
+
     @records_errors
-    def send(self, step: PreparedStep, drafts_np: np.ndarray | None = None) -> int:
-        """Broadcast a prepared step (drafts_np: [num_reqs, K] or None).
-        Returns the rows needing a sample; 0 means the step had no transfer."""
+    def send(
+        self, step: PreparedStep, drafts_np: np.ndarray | torch.Tensor | None = None
+    ) -> int:
+        """Broadcast a prepared step (drafts_np: [num_reqs, K] or None; the
+        device codec takes a tensor). Returns the rows needing a sample; 0
+        means the step had no transfer."""
         self._check_role(self.names.publish, last=True)
         if not isinstance(step, PreparedStep):
             raise BatchError(f"step must be a PreparedStep from prepare(), got "
                              f"{type(step).__name__}")
-        if drafts_np is not None and (
-            not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
-        ):
-            raise BatchError(f"drafts must be an integer numpy array, got "
-                             f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
-        if drafts_np is not None and drafts_np.shape != (step.view.num_reqs,
-                                                         self.config.num_speculative_steps):
-            raise BatchError(
-                f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
-                f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
-            )
+        if self.device_steps is not None:
+            self.device_steps.judge_sent()
+            if isinstance(drafts_np, np.ndarray):
+                drafts_np = torch.from_numpy(drafts_np)
+            if drafts_np is not None:
+                drafts_np = check_step_drafts_meta(
+                    drafts_np, num_reqs=step.view.num_reqs,
+                    num_drafts=self.config.num_speculative_steps, device=self.platform.device)
+        else:
+            if drafts_np is not None and (
+                not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
+            ):
+                raise BatchError(f"drafts must be an integer numpy array, got "
+                                 f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
+            if drafts_np is not None and drafts_np.shape != (
+                    step.view.num_reqs, self.config.num_speculative_steps):
+                raise BatchError(
+                    f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
+                    f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
+                )
         self.steps += 1
         needed = step.num_needed
         if needed == 0:
@@ -378,10 +453,24 @@ class TokenPath:
                           codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np),
                           slot_need_words(v.idx_mapping_np, step.need_np),
                           v.num_computed_tokens_np, step.sample_width)
-        buf = codec.new_buffer(frame.num_reqs)
-        flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np, step.num_sampled_np,
-                                     step.num_rejected_np, drafts_np)
-        work = self._issue(buf)
+        if self.device_steps is not None:
+            if step.outputs is None:
+                raise BatchError("step was prepared for the host codec; this path uses the "
+                                 "device codec")
+            assert not isinstance(drafts_np, np.ndarray)
+            buf, work, flags = self.device_steps.send(frame, step.outputs, drafts_np,
+                                                      self._issue)
+            checksum = 0  # on the device; the host does not read it
+        else:
+            if step.tokens_np is None or step.num_sampled_np is None or (
+                    step.num_rejected_np is None):
+                raise BatchError("step was prepared for the device codec; this path uses "
+                                 "the host codec")
+            assert not isinstance(drafts_np, torch.Tensor)
+            buf = codec.new_buffer(frame.num_reqs)
+            flags, checksum = codec.pack(buf.numpy(), frame, step.tokens_np,
+                                         step.num_sampled_np, step.num_rejected_np, drafts_np)
+            work = self._issue(buf)
         self.recorder.issue(work, self.steps - 1, self.seq, 0, frame.num_reqs, needed,
                             frame.idx_digest, checksum, flags)
         self._inflight.append((buf, work))
@@ -439,12 +528,16 @@ class TokenPath:
                           self.codec.idx_digest(idx_np, view.num_computed_tokens_np),
                           slot_need_words(idx_np, need),
                           view.num_computed_tokens_np.astype(np.int64), sample_width)
-        buf = self.codec.new_buffer(frame.num_reqs)
-        work = self._issue(buf)
+        staging = None
+        if self.device_steps is not None:
+            buf, staging, work = self.device_steps.post(frame, self._issue)
+        else:
+            buf = self.codec.new_buffer(frame.num_reqs)
+            work = self._issue(buf)
         self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
                             needed, frame.idx_digest, 0, 0)
         self.ring.fill_tail(PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np),
-                                        buf, work, expect_drafts))
+                                        buf, work, expect_drafts, staging))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
@@ -486,6 +579,10 @@ class TokenPath:
                 num_drafts=self.config.num_speculative_steps,
             )
         self._prune()
+        if self.device_steps is not None:
+            # an earlier step's verdict, read now that its event completed:
+            # raised before the ring moves, so this consume can be retried
+            self._judged(self.device_steps.judge_received)
         head = self.ring.advance()
         self._tail_open = True
         if head is None:
@@ -495,17 +592,47 @@ class TokenPath:
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.
             self._inflight.append((head.buf, head.work))
+            if self.device_steps is not None and head.staging is not None:
+                self.device_steps.reuse(head.staging)  # the receive never touches it
             self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0)
             return None
         wait_from_ns = time.monotonic_ns()
-        self._wait(head.work, f"receive of frame {head.frame.seq}")
-        try:
-            released = self._release(head, keep, table)
-        except DesyncError as e:
-            raise self.failed(e) from None
-        self.codec.recycle(head.buf)  # everything released was copied out
+        if self.device_steps is not None:
+            released = self._release_device(head, keep, table)
+        else:
+            self._wait(head.work, f"receive of frame {head.frame.seq}")
+            try:
+                released = self._release(head, keep, table)
+            except DesyncError as e:
+                raise self.failed(e) from None
+            self.codec.recycle(head.buf)  # everything released was copied out
         self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, wait_from_ns)
         return released
+
+    def _release_device(
+        self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
+    ) -> ReleasedStep:
+        """The device codec's consume: this step's bad verdict raises here
+        when its event has completed (else at the next consume)."""
+        steps, staging = self.device_steps, head.staging
+        assert steps is not None and staging is not None
+        what = f"receive of frame {head.frame.seq}"
+        return self._judged(lambda: steps.release(
+            head.frame, head.buf, staging, head.work, keep, head.idx_np, table,
+            head.expect_drafts, lambda work: self._wait(work, what)))
+
+    def _judged(self, call: Callable[[], T]) -> T:
+        """``call()``, with a device verdict's error raised as the path's own:
+        a DesyncError through the board; a BatchError (the last rank sent bad
+        values) as it is, since every rank raises it from the frame itself
+        (the board would rename the cause)."""
+        try:
+            return call()
+        except DesyncError as e:
+            raise self.failed(e) from None
+        except BatchError as e:
+            dump_on_error(self, e)
+            raise
 
     def _release(
         self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
@@ -556,6 +683,8 @@ class TokenPath:
                     _, work = self._inflight.popleft()
                     self._wait(work, "draining transfer")
                 self.recorder.drained(self.steps)
+                if self.device_steps is not None:
+                    self._judge_all()
         finally:
             abandoned = any(not finished(s.work) for s in self.ring.pending()) or any(
                 not finished(w) for _, w in self._inflight)
@@ -566,6 +695,15 @@ class TokenPath:
                 keep_until_exit(self.group)
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
+
+    def _judge_all(self) -> None:
+        """After a drain: every verdict not yet read (device codec)."""
+        steps = self.device_steps
+        assert steps is not None
+        if self.is_last:
+            steps.judge_sent(all_=True)
+        else:
+            steps.judge_received(all_=True)
 
     @property
     def closed(self) -> bool:

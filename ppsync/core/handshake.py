@@ -20,13 +20,14 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FRAME_FORMAT_VERSION
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
-           "exact_wire")
+           "exact_wire", "device_codec")
 
 
 def config_words(config: SyncConfig) -> list[int]:
     """What every rank must agree on, as integers (see ``_FIELDS``)."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
-            config.num_speculative_steps, config.depth, int(config.wire == "exact")]
+            config.num_speculative_steps, config.depth, int(config.wire == "exact"),
+            int(config.codec == "device")]
 
 
 class Handshake:
@@ -36,11 +37,14 @@ class Handshake:
     An event loop awaits :attr:`work` by notification before calling
     :meth:`finish`, so the wait for slow peers never blocks the loop."""
 
-    def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int) -> None:
+    def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int,
+                 device: torch.device | None = None) -> None:
+        """``device``: where the words go (an NCCL / XCCL group takes device
+        tensors only; start-up, so reading them back is no hot-path sync)."""
         self.config = config
         self.rank = rank
         nonce = secrets.randbits(62)
-        mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64)
+        mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64, device=device)
         self._gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
         work = dist.all_gather(self._gathered, mine, group=group, async_op=True)
         assert work is not None
@@ -54,6 +58,7 @@ class Handshake:
         config, rank = self.config, self.rank
         wait_work(self.work, timeout_s=config.timeout_s,
                   what=f"rank {rank}: configuration handshake", peer=None)
+        self._gathered = [g.cpu() for g in self._gathered]
         ref = dict(zip(_FIELDS, config_words(config), strict=True))
         for other, words in enumerate(self._gathered):
             theirs = dict(zip(_FIELDS, (int(w) for w in words[:-1]), strict=True))

@@ -107,7 +107,10 @@ def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None)
     try:
         fut = _future(work)
         if fut is not None and fut.done():
-            fut.value()  # returns at once, or raises the transfer's error
+            # returns at once, or raises the transfer's error; for device
+            # tensors it also makes the current stream wait on the transfer's
+            # copies (device-side; value() would not)
+            fut.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:

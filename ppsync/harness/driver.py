@@ -10,9 +10,11 @@ recorded as its sync latency.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,6 +76,7 @@ class StepLoop:
     rank: int = 0
     jitter_us: float = 0.0  # each step, pause uniformly in [0, jitter_us] (a slow, jittery rank)
     progress: Callable[[int], None] | None = None  # told each step index once it is done
+    device: torch.device | None = None  # where the engine's tensors live (None: CPU)
     wl: Workload = field(init=False)
     checker: Checker = field(init=False)
     table: torch.Tensor | None = field(init=False)  # [max_num_reqs, K] draft table
@@ -88,7 +91,8 @@ class StepLoop:
         self.wl = Workload(self.wcfg)
         self.checker = Checker(self.wl)
         K = self.wcfg.num_speculative_steps
-        self.table = torch.full((self.wcfg.max_num_reqs, K), -1, dtype=torch.int64) if K else None
+        self.table = torch.full((self.wcfg.max_num_reqs, K), -1, dtype=torch.int64,
+                                device=self.device) if K else None
         self.blocked_ns = np.zeros(self.total_steps, dtype=np.int64)
 
     @property
@@ -96,7 +100,12 @@ class StepLoop:
         return self.wcfg.steps + self.wcfg.ring_depth
 
     def released(self, t: int, released: ReleasedStep | None) -> None:
-        self.checker.check(t, released, self.table)
+        table = self.table
+        if released is not None and released.sampled_tokens.device.type != "cpu":
+            released = on_host(released)  # the checker's copy, outside the hot calls
+        if table is not None and table.device.type != "cpu":
+            table = table.cpu()
+        self.checker.check(t, released, table)
 
     def pause_s(self) -> float:
         """This step's injected delay, in seconds (0 without jitter)."""
@@ -136,15 +145,31 @@ def skips_call(t: int, step: ScheduledStep) -> bool:
     return step.view.num_reqs == 0 and t % 2 == 0
 
 
-def outputs(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor | None]:
-    """The last rank's sampler outputs for ``step``, as the engine hands them."""
-    return (
+def outputs(step: ScheduledStep, device: torch.device | None = None) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The last rank's sampler outputs for ``step``, as the engine hands them
+    (on ``device``: where a GPU engine's sampler leaves them)."""
+    out = (
         torch.from_numpy(step.tokens_np[:, : step.width]),
         torch.from_numpy(step.num_sampled_np),
         torch.from_numpy(step.num_rejected_np),
         None if step.drafts_np is None else torch.from_numpy(step.drafts_np),
     )
+    if device is None or device.type == "cpu":
+        return out
+    tokens, ns, nr, drafts = (None if t is None else t.to(device) for t in out)
+    assert tokens is not None and ns is not None and nr is not None
+    return tokens, ns, nr, drafts
+
+
+def on_host(released: ReleasedStep) -> ReleasedStep:
+    """A CPU copy of a released step (for the checker; syncs the device)."""
+    drafts = released.draft_tokens
+    return dataclasses.replace(
+        released, sampled_tokens=released.sampled_tokens.cpu(),
+        num_sampled=released.num_sampled.cpu(), num_rejected=released.num_rejected.cpu(),
+        idx_mapping=released.idx_mapping.cpu(),
+        draft_tokens=None if drafts is None else drafts.cpu())
 
 
 def run_sync_rank(
@@ -153,27 +178,36 @@ def run_sync_rank(
     *,
     jitter_us: float = 0.0,
     progress: Callable[[int], None] | None = None,
+    hot: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> RankReport:
-    """Run ``wcfg.steps`` steps (plus D to drain) through the core."""
-    loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us, progress)
+    """Run ``wcfg.steps`` steps (plus D to drain) through the core. With the
+    device codec the engine's tensors live on the path's device. ``hot``
+    wraps each token-path call (the GPU check forbids host syncs there)."""
+    device = path.platform.device if path.device_steps is not None else None
+    loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us, progress, device)
     for t in range(loop.total_steps):
         if jitter_us:
             time.sleep(loop.pause_s())
         spent = 0
         if not path.is_last:
             t0 = time.perf_counter_ns()
-            released = path.consume(loop.table)
+            with hot():
+                released = path.consume(loop.table)
             spent = time.perf_counter_ns() - t0
             loop.released(t, released)
         step = loop.schedule(t, path)
         if skips_call(t, step):
             loop.sent(t, 0, spent)
             continue
-        t0 = time.perf_counter_ns()
         if path.is_last:
-            needed = path.publish(step.view, *outputs(step))
+            sampled = outputs(step, device)
+            t0 = time.perf_counter_ns()
+            with hot():
+                needed = path.publish(step.view, *sampled)
         else:
-            needed = path.post(step.view)
+            t0 = time.perf_counter_ns()
+            with hot():
+                needed = path.post(step.view)
         loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
     path.close()
     return loop.report(path.rank)
@@ -186,10 +220,12 @@ async def run_async_rank(
     board: FailureBoard | None = None,
     jitter_us: float = 0.0,
     progress: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
 ) -> RankReport:
-    """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services."""
-    async with open_rank(config, group, board=board) as rank:
-        loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us, progress)
+    """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services
+    (``device``: the device codec's, where the engine's tensors live)."""
+    async with open_rank(config, group, board=board, device=device) as rank:
+        loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us, progress, device)
         for t in range(loop.total_steps):
             if jitter_us:
                 await anyio.sleep(loop.pause_s())
@@ -205,7 +241,7 @@ async def run_async_rank(
                 continue
             t0 = time.perf_counter_ns()
             if rank.is_last:
-                needed = await rank.publish(step.view, *outputs(step))
+                needed = await rank.publish(step.view, *outputs(step, device))
             else:
                 needed = await rank.post(step.view)
             loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
@@ -220,7 +256,8 @@ def run_async_rank_blocking(
     board: FailureBoard | None = None,
     jitter_us: float = 0.0,
     progress: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
 ) -> RankReport:
     """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
-    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, progress,
+    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, progress, device,
                      backend=backend)

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import torch
 import torch.distributed as dist
 
 from ppsync.core.groups import pipeline_layout, token_groups
 from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.platform import platform_for
+from ppsync.errors import ConfigError
 from ppsync.harness.driver import (
     Backend,
     run_async_rank_blocking,
@@ -44,6 +47,7 @@ class RunOptions:
     knobs: dict[str, object] = field(default_factory=dict)  # WorkloadConfig overrides
     progress_s: float | None = None  # world rank 0 prints progress this often; None: never
     join_timeout_s: float = 120.0  # bound on joining the world (ranks start at different times)
+    device: str = "cpu"  # cpu, cuda, xpu: where the device codec's tensors live
 
 
 class Progress:
@@ -74,13 +78,29 @@ def _run_group(
     group: dist.ProcessGroup,
     board: FailureBoard,
     progress: Callable[[int], None] | None,
+    device: torch.device | None,
 ) -> RankReport:
     wcfg = workload_config(config, steps=opts.steps, seed=opts.seed, **opts.knobs)
     if opts.backend is None:
-        path = TokenPath(config, group, board=board)
+        path = TokenPath(config, group, board=board, device=device)
         return run_sync_rank(path, wcfg, jitter_us=opts.jitter_us, progress=progress)
     return run_async_rank_blocking(config, group, wcfg, opts.backend, board, opts.jitter_us,
-                                   progress=progress)
+                                   progress=progress, device=device)
+
+
+def rank_device(kind: str, codec: str, local_rank: int) -> torch.device | None:
+    """This rank's device for ``--device kind``: None on CPU, else the
+    accelerator at LOCAL_RANK modulo the visible count. ConfigError for an
+    accelerator without the device codec or without a device to use."""
+    if kind == "cpu":
+        return None
+    if codec != "device":
+        raise ConfigError(f"--device {kind} needs --codec device (host frames live on the CPU)")
+    mod = getattr(torch, kind, None)
+    count = mod.device_count() if mod is not None and mod.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"--device {kind}: no {kind} device is available here")
+    return torch.device(kind, local_rank % count)
 
 
 def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport:
@@ -88,8 +108,12 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     (the same on every rank). Raises :class:`ConfigError` before connecting
     when WORLD_SIZE is not a multiple of pp_size; any fault raises."""
     layout = pipeline_layout(world.world_size, config.pp_size)
+    device = rank_device(opts.device, config.codec, world.local_rank)  # before connecting
     store = world.connect(opts.join_timeout_s)
-    _, group = token_groups(layout, timeout_s=config.timeout_s)
+    if device is not None:
+        getattr(torch, device.type).set_device(device)
+    backend = None if device is None else platform_for(device).backend
+    _, group = token_groups(layout, timeout_s=config.timeout_s, backend=backend)
     # the world group keeps the join timeout; the final gather gets the run's own
     gather = dist.new_group(list(range(world.world_size)),
                             timeout=datetime.timedelta(seconds=config.timeout_s))
@@ -99,7 +123,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     if opts.progress_s is not None and world.rank == 0:
         progress = Progress(opts.steps + config.depth, opts.progress_s)
     try:
-        mine = _run_group(config, opts, group, board, progress)
+        mine = _run_group(config, opts, group, board, progress, device)
     except Exception:
         if world.hosts_store:
             # survivors are still reading the failure board to name the lost

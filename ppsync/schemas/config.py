@@ -23,6 +23,7 @@ from ppsync.errors import ConfigError
 from ppsync.schemas._validate import validate_as
 
 WireMode = Literal["fixed", "exact"]
+CodecName = Literal["host", "device"]
 
 
 class SyncConfig(BaseModel):
@@ -45,6 +46,11 @@ class SyncConfig(BaseModel):
     wire: WireMode = "fixed"
     """'fixed': frames sized for max_num_reqs rows (mismatched num_reqs cannot
     deadlock); 'exact': frames sized for num_reqs rows (fewer bytes)."""
+    codec: CodecName = "host"
+    """'host': frames packed and checked with numpy on the host (the CPU
+    default); 'device': with torch ops where the tensors live, checks
+    deferred by one step (what a GPU needs: no host sync per step). Every
+    rank must use the same codec (the handshake compares it)."""
     flight_events: int = Field(default=4096, ge=0, le=1 << 20)
     """Events the flight recorder keeps (the newest; 0 = recorder off). A
     rank-local setting: ranks need not agree on it."""

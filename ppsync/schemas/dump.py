@@ -125,10 +125,12 @@ class DumpEvent(BaseModel):
     checksum: int
     """issue on the last rank: the frame's payload checksum (receivers check
     it at consume; a mismatch is a DesyncError, recorded as an error); 0
-    elsewhere."""
+    elsewhere, and with the device codec (computed on the device, which the
+    host does not read)."""
     flags: int = Field(ge=0)
     """issue on the last rank: the frame's flags (FLAG_HAS_DRAFTS,
-    FLAG_EXACT); 0 elsewhere."""
+    FLAG_EXACT; with the device codec the host's flags, without the
+    FLAG_BAD_VALUES the device may add); 0 elsewhere."""
     mono_ns: int
     """Monotonic clock when the event was recorded."""
     wall_ns: int

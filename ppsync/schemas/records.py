@@ -16,6 +16,10 @@ FLAG_HAS_DRAFTS = 1
 """The frame's draft columns hold this step's drafts."""
 FLAG_EXACT = 2
 """The frame is sized for num_reqs rows, not max_num_reqs."""
+FLAG_BAD_VALUES = 4
+"""The device codec found a num_sampled or num_rejected value out of range
+while packing (its checks run on the device, after the step was issued);
+every receiver raises on such a frame."""
 
 
 class FrameHeader(BaseModel):
@@ -35,7 +39,7 @@ class FrameHeader(BaseModel):
     num_drafts: int = Field(ge=0)
     """K draft columns per row."""
     flags: int = Field(ge=0)
-    """Bit set of FLAG_HAS_DRAFTS and FLAG_EXACT."""
+    """Bit set of FLAG_HAS_DRAFTS, FLAG_EXACT and FLAG_BAD_VALUES."""
     idx_digest: int
     """Digest of the step's idx_mapping (see ppsync.core.frame.idx_digest)."""
     checksum: int

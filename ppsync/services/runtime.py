@@ -126,11 +126,14 @@ async def open_rank(
     group: dist.ProcessGroup,
     *,
     board: FailureBoard | Literal["group"] | None = "group",
+    device: torch.device | str | None = None,
 ) -> AsyncIterator[Rank]:
     """Open this rank's token path over ``group`` (the dedicated token group)
     and run its service in a task group for the duration of the block.
-    ``board``: see :class:`~ppsync.core.liveness.FailureBoard`."""
-    path = TokenPath(config, group, board=board, names=SERVICE_NAMES, wait_handshake=False)
+    ``board``: see :class:`~ppsync.core.liveness.FailureBoard`; ``device``:
+    where the device codec's frames live (see :class:`TokenPath`)."""
+    path = TokenPath(config, group, board=board, names=SERVICE_NAMES, wait_handshake=False,
+                     device=device)
     service: BroadcastService | ReceiveService = (
         BroadcastService(path) if path.is_last else ReceiveService(path)
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -91,6 +92,7 @@ class Scenario:
     last_calls_get_prev: bool = True  # False: held steps go at the next broadcast
     forward: bool = False  # stages pass hidden states (and a relayed aux) down the pipe
     seed: int = 0
+    codec: Literal["host", "device"] = "host"  # device: torch-op frames (on CPU tensors here)
 
     @property
     def depth(self) -> int:
@@ -180,7 +182,8 @@ def engine_rank(sc: Scenario, env: RankEnv) -> Seen:
     table = draft_table(K) if K else None
     rng = np.random.default_rng(sc.seed + 1000)
     seen = Seen()
-    with PPHandler(MAX_NUM_REQS, K, CPU, ring_depth=sc.ring_depth, timeout_s=WAIT_S) as h:
+    with PPHandler(MAX_NUM_REQS, K, CPU, ring_depth=sc.ring_depth, timeout_s=WAIT_S,
+                   codec=sc.codec) as h:
         assert h.is_last_rank == (env.rank == sc.pp_size - 1)
         if sc.forward:
             h.configure_aux_hidden_state_relay(["aux_0"])
@@ -230,6 +233,10 @@ SCENARIOS = [
     # D >= 2: held steps may wait for the next broadcast
     Scenario(pp_size=3, K=3, ring_depth=2, skip_drafts_every=3, last_calls_get_prev=False,
              forward=True),
+    # the device codec (torch ops, deferred checks) through the same engine loop
+    Scenario(pp_size=3, K=3, skip_drafts_every=5, seed=1, codec="device"),
+    Scenario(pp_size=2, K=3, ring_depth=1, skip_drafts_every=4, forward=True, codec="device"),
+    Scenario(pp_size=2, K=0, codec="device"),
 ]
 
 

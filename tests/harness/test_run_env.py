@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from rank_procs import RankProcs, free_port, rank_env
 
 from ppsync.cli import main
@@ -73,18 +74,43 @@ def ranks(tmp_path: Path) -> Iterator[RankProcs]:
         procs.close()
 
 
-def test_three_env_ranks_print_one_table_and_exit_0(ranks: RankProcs, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "cuda"], r"--device cuda needs --codec device"),
+        pytest.param(["--device", "cuda", "--codec", "device"],
+                     r"--device cuda: no cuda device is available here",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    ],
+    ids=["host-codec", "no-cuda"],
+)
+def test_device_needs_the_device_codec_and_a_device(
+    argv: list[str], message: str,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in GOOD.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--steps", "5", *argv]) == 2  # before anything connects
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("codec", ["host", "device"])
+def test_three_env_ranks_print_one_table_and_exit_0(
+    ranks: RankProcs, tmp_path: Path, codec: str
+) -> None:
     port = free_port()
     report = tmp_path / "report.json"
     for r in range(3):
         ranks.start(r, rank_env(r, 3, port),
-                    ["--steps", "150", "--report", str(report), "--quiet", *ARGS])
+                    ["--steps", "150", "--report", str(report), "--quiet", "--codec", codec,
+                     *ARGS])
     ended = ranks.wait(90)
     assert [ended[r].code for r in range(3)] == [0, 0, 0], [ended[r].err for r in range(3)]
     table = ended[0].out.strip().splitlines()
     assert [line.split()[:3] for line in table[1:4]] == [
         ["0", "0", "receiver"], ["1", "0", "receiver"], ["2", "0", "last"]]
-    assert re.search(r"world=3 pp_size=3 .* -> OK: 0 lost / 0 stale", table[4])
+    assert re.search(rf"world=3 pp_size=3 .* codec={codec} .* -> OK: 0 lost / 0 stale",
+                     table[4])
     assert ended[1].out == ended[2].out == ""  # one table, from rank 0
     assert all("ppsync: step" not in ended[r].err for r in range(3))  # --quiet
     assert '"world_size": 3' in report.read_text()

@@ -1,0 +1,191 @@
+"""Platforms: the few calls that differ between CPU, CUDA and XPU.
+
+The device codec (``ppsync.core.device_codec``) and the token path's device
+steps are plain torch ops; only these calls depend on where the frame lives:
+
+- the collective backend (gloo / nccl / xccl);
+- the current (engine's main) stream, a side stream, ``wait_stream``,
+  recording an event on a stream, ``event.query()``, ``stream.wait_event``;
+- ``record_stream`` for a buffer made on one stream and used on another;
+- a host staging buffer (pinned where the device has pinned memory), so
+  host facts reach the device with ``non_blocking`` copies;
+- XPU synchronizes the main stream before the last rank sends (rule 6);
+- XPU engines that turn microbatching off run the ring at depth 1: that
+  switch is ``SyncConfig.ring_depth = 1``; :attr:`Platform.ring_depth_hint`
+  says which depth the platform's engines use by default.
+
+On CPU every stream call is a no-op and an "event" is done once recorded:
+torch ops on CPU tensors run eagerly, so whatever was enqueued has run. A
+transfer's own completion is still observed through its work (gloo).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
+
+import torch
+
+from ppsync.errors import ConfigError
+
+PLATFORMS = ("cpu", "cuda", "xpu")
+
+
+class StepEvent(Protocol):
+    """Marks the end of a step's device work; ``query()`` never blocks."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None:
+        """Block until done: for close(), never on the hot path."""
+
+
+class DoneEvent:
+    """CPU: ops ran eagerly, so the work before the event is done."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class DeviceEvent:
+    """A CUDA / XPU event recorded on a stream."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def query(self) -> bool:
+        done: bool = self.event.query()
+        return done
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class Platform:
+    """CPU: gloo, no streams, eager ops. The base of the device platforms."""
+
+    name = "cpu"
+    backend = "gloo"
+    sync_main_before_send = False
+    ring_depth_hint: int | None = None
+    """The ring depth the platform's engines use (None: pp_size)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def has_streams(self) -> bool:
+        return False
+
+    def current_stream(self) -> Any:
+        """The engine's main stream (None on CPU)."""
+        return None
+
+    def new_stream(self) -> Any:
+        """A side stream for the token path (None on CPU)."""
+        return None
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make ``stream`` current for the ops in the block."""
+        return nullcontext()
+
+    def wait_stream(self, waiter: Any, waitee: Any) -> None:
+        """``waiter`` runs nothing further until ``waitee``'s work so far is done."""
+
+    def record_event(self, stream: Any) -> StepEvent:
+        return DoneEvent()
+
+    def wait_event(self, stream: Any, event: StepEvent) -> None:
+        """``stream`` waits (device-side) for ``event``."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor`` (allocated on another stream) is used on ``stream``:
+        its memory is not reused before that use is done."""
+
+    def before_send(self, main: Any) -> None:
+        """What the last rank does to the main stream before it sends."""
+
+    def host_buffer(self, words: int) -> torch.Tensor:
+        """[words] int64 host staging buffer (pinned on a device)."""
+        return torch.empty(words, dtype=torch.int64)
+
+
+class _AcceleratorPlatform(Platform):
+    """CUDA and XPU: the same calls through ``torch.cuda`` / ``torch.xpu``."""
+
+    @property
+    def _mod(self) -> Any:
+        return getattr(torch, self.name)
+
+    @property
+    def has_streams(self) -> bool:
+        return True
+
+    def current_stream(self) -> Any:
+        return self._mod.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return self._mod.Stream(device=self.device)
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        cm: AbstractContextManager[Any] = self._mod.stream(stream)
+        return cm
+
+    def wait_stream(self, waiter: Any, waitee: Any) -> None:
+        waiter.wait_stream(waitee)
+
+    def record_event(self, stream: Any) -> StepEvent:
+        event = self._mod.Event()
+        event.record(stream)
+        return DeviceEvent(event)
+
+    def wait_event(self, stream: Any, event: StepEvent) -> None:
+        if isinstance(event, DeviceEvent):
+            stream.wait_event(event.event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def host_buffer(self, words: int) -> torch.Tensor:
+        return torch.empty(words, dtype=torch.int64, pin_memory=True)
+
+
+class CudaPlatform(_AcceleratorPlatform):
+    name = "cuda"
+    backend = "nccl"
+
+
+class XpuPlatform(_AcceleratorPlatform):
+    name = "xpu"
+    backend = "xccl"
+    sync_main_before_send = True
+    ring_depth_hint = 1
+
+    def before_send(self, main: Any) -> None:
+        # XPU: the sampler's outputs must be complete before the collective
+        # reads them (rule 6); the side stream's wait alone is not relied on
+        main.synchronize()
+
+
+_BY_NAME: dict[str, type[Platform]] = {"cpu": Platform, "cuda": CudaPlatform,
+                                        "xpu": XpuPlatform}
+
+
+def platform_for(device: torch.device | str | None, name: str | None = None) -> Platform:
+    """The platform of ``device`` (default CPU); ``name`` overrides the choice
+    (one of cpu, cuda, xpu). ConfigError for an unknown name or device type."""
+    dev = torch.device("cpu" if device is None else device)
+    mod = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu") else None
+    if dev.index is None and mod is not None and mod.is_available():
+        # "cuda" means the current device: tensors report "cuda:N", and the
+        # token path compares devices
+        dev = torch.device(dev.type, mod.current_device())
+    chosen = dev.type if name is None else name
+    cls = _BY_NAME.get(chosen)
+    if cls is None:
+        raise ConfigError(f"platform = {chosen!r} (device {dev}) must be one of "
+                          f"{', '.join(PLATFORMS)}")
+    return cls(dev)

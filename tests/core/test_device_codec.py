@@ -1,0 +1,152 @@
+"""The device codec (torch ops) against the host codec (numpy): the same
+step gives the same frame, word for word; its checks give verdicts without
+reading values on the host; platforms are chosen from the device."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from ppsync.core.checks import check_sampled_meta
+from ppsync.core.device_codec import (
+    V_FLAGGED,
+    V_FRAME,
+    V_NUM_REJECTED,
+    V_NUM_SAMPLED,
+    DeviceFrameCodec,
+)
+from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
+from ppsync.core.platform import CudaPlatform, Platform, XpuPlatform, platform_for
+from ppsync.errors import BatchError, ConfigError
+from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.records import FLAG_BAD_VALUES
+
+CPU = torch.device("cpu")
+
+
+def _step(k: int, n: int, w: int, seed: int) -> tuple[FrameView, np.ndarray, np.ndarray,
+                                                      np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    idx = rng.permutation(16)[:n].astype(np.int64)
+    need = rng.random(n) < 0.8
+    computed = rng.integers(0, 1 << 40, n).astype(np.int64)
+    # token ids near 2**62: the weighted sums wrap int64 many times over
+    tokens = rng.integers(1 << 61, 1 << 62, (n, w)).astype(np.int64)
+    ns = rng.integers(0, w + 1, n).astype(np.int32)
+    nr = rng.integers(0, k + 1, n).astype(np.int32)
+    codec = FrameCodec(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
+    view = FrameView(7, n, codec.idx_digest(idx, computed), slot_need_words(idx, need),
+                     computed, None if w == k + 1 else w)
+    return view, tokens, ns, nr, rng.integers(0, 1 << 62, (n, k)).astype(np.int64)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("wire", ["fixed", "exact"])
+@pytest.mark.parametrize("with_drafts", [True, False])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_device_frame_equals_host_frame(k: int, wire: str, with_drafts: bool,
+                                        narrow: bool) -> None:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k, wire=wire)
+    host, dev = FrameCodec(config), DeviceFrameCodec(config, CPU)
+    w = 1 if narrow else k + 1
+    view, tokens, ns, nr, drafts = _step(k, 11, w, seed=k * 10 + w)
+    has = with_drafts and k > 0
+    hbuf = host.new_buffer(11)
+    hbuf.numpy()[:] = 0
+    host.pack(hbuf.numpy(), view, tokens, ns, nr, drafts if has else None)
+    dbuf = dev.new_buffer(11)
+    dbuf[:] = 0
+    staged = dev.stage(dev_staging(dev), view, dev.host_flags(has))
+    verdict = dev.pack(dbuf, staged, torch.from_numpy(tokens), torch.from_numpy(ns),
+                       torch.from_numpy(nr), torch.from_numpy(drafts) if has else None)
+    assert int(verdict[0]) == 0
+    assert np.array_equal(dbuf.numpy(), hbuf.numpy())
+    # and the device check of that frame against the same view passes
+    exp = dev.stage(dev_staging(dev), view, 0)
+    assert int(dev.check(dbuf, exp, 11, view.width(host))[0]) == 0
+    host.check(dbuf.numpy(), view, rank=0)  # the host codec accepts the device's frame
+
+
+def dev_staging(dev: DeviceFrameCodec) -> torch.Tensor:
+    return Platform(CPU).host_buffer(dev.staging_words())
+
+
+@pytest.mark.parametrize(("field", "value", "bit"), [
+    ("num_sampled", 4, V_NUM_SAMPLED), ("num_sampled", -1, V_NUM_SAMPLED),
+    ("num_rejected", 3, V_NUM_REJECTED), ("num_rejected", -2, V_NUM_REJECTED),
+])
+def test_bad_values_give_a_verdict_and_flag_the_frame(field: str, value: int, bit: int) -> None:
+    k = 2
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k)
+    dev = DeviceFrameCodec(config, CPU)
+    view, tokens, ns, nr, _ = _step(k, 5, k + 1, seed=3)
+    (ns if field == "num_sampled" else nr)[2] = value
+    buf = dev.new_buffer(5)
+    staged = dev.stage(dev_staging(dev), view, dev.host_flags(False))
+    verdict = dev.pack(buf, staged, torch.from_numpy(tokens), torch.from_numpy(ns),
+                       torch.from_numpy(nr), None)
+    assert int(verdict[0]) == bit
+    assert int(buf[5]) & FLAG_BAD_VALUES
+    # a receiver's check sees the flag and the value itself
+    exp = dev.stage(dev_staging(dev), view, 0)
+    assert int(dev.check(buf, exp, 5, k + 1)[0]) == bit | V_FLAGGED
+    err = dev.value_error(buf.numpy(), 5, k + 1, "")
+    rule = "w = 3" if field == "num_sampled" else "K = 2"
+    assert re.search(rf"{field}\[2\] = {value} outside \[0, {rule}\]", str(err))
+
+
+def test_a_receivers_other_view_is_a_frame_verdict() -> None:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=1)
+    dev = DeviceFrameCodec(config, CPU)
+    view, tokens, ns, nr, _ = _step(1, 4, 2, seed=5)
+    buf = dev.new_buffer(4)
+    dev.pack(buf, dev.stage(dev_staging(dev), view, 0), torch.from_numpy(tokens),
+             torch.from_numpy(ns), torch.from_numpy(nr), None)
+    assert view.computed_np is not None
+    other = FrameView(view.seq, 4, view.idx_digest, view.slot_need_np, view.computed_np + 1)
+    assert int(dev.check(buf, dev.stage(dev_staging(dev), other, 0), 4, 2)[0]) == V_FRAME
+    buf[7] += 1  # the checksum word disagrees with the payload
+    assert int(dev.check(buf, dev.stage(dev_staging(dev), view, 0), 4, 2)[0]) == V_FRAME
+
+
+def test_meta_checks_do_not_read_values_but_name_the_field() -> None:
+    t = torch.zeros(3, 2, dtype=torch.int64)
+    ns = torch.full((3,), 99, dtype=torch.int32)  # out of range: not looked at here
+    check_sampled_meta(t, ns, ns, num_reqs=3, sample_width=2, device=CPU)
+    with pytest.raises(BatchError, match=r"num_sampled.dtype = torch.float32 must be"):
+        check_sampled_meta(t, ns.float(), ns, num_reqs=3, sample_width=2, device=CPU)
+    with pytest.raises(BatchError, match=r"sampled_token_ids is on cpu; the token path's "
+                       r"device is meta"):
+        check_sampled_meta(t, ns, ns, num_reqs=3, sample_width=2, device=torch.device("meta"))
+    with pytest.raises(BatchError, match=r"sampled_token_ids.shape\[1\] = 2 must lie in"):
+        check_sampled_meta(t, ns, ns, num_reqs=3, sample_width=1, device=CPU)
+
+
+def test_platform_is_chosen_from_the_device_and_can_be_overridden() -> None:
+    assert type(platform_for(None)) is Platform
+    assert platform_for("cpu").backend == "gloo"
+    cuda = platform_for("cuda:1")
+    assert isinstance(cuda, CudaPlatform) and cuda.backend == "nccl"
+    xpu = platform_for("xpu")
+    assert isinstance(xpu, XpuPlatform) and xpu.backend == "xccl"
+    assert xpu.sync_main_before_send and xpu.ring_depth_hint == 1
+    assert type(platform_for("cuda", "cpu")) is Platform
+    with pytest.raises(ConfigError, match=r"platform = 'tpu' .* must be one of cpu, cuda, xpu"):
+        platform_for("cpu", "tpu")
+
+
+def test_cpu_platform_stream_calls_are_no_ops() -> None:
+    p = platform_for("cpu")
+    s = p.new_stream()
+    assert s is None and p.current_stream() is None and not p.has_streams
+    with p.use(s):
+        p.wait_stream(s, s)
+        ev = p.record_event(s)
+    assert ev.query()
+    t = torch.zeros(2)
+    p.record_stream(t, s)
+    p.before_send(s)
+
