@@ -61,9 +61,10 @@ from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import batch_view_of
 from ppsync.core.checks import check_draft_table, check_draft_table_meta, check_step_drafts
 from ppsync.core.groups import token_group
-from ppsync.core.handler import CallNames, PreparedStep, TokenPath
+from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
+from ppsync.core.steps import CallNames, PreparedStep
 from ppsync.errors import BatchError, ConfigError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 

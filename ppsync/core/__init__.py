@@ -10,13 +10,14 @@ from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.frame import FrameCodec, FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
-from ppsync.core.handler import PendingStep, PreparedStep, TokenPath
+from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
+from ppsync.core.steps import PendingStep, PreparedStep
 
 __all__ = [
     "AuxRelay",

@@ -196,3 +196,14 @@ def check_step_drafts(draft_tokens: object, *, num_reqs: int, num_drafts: int) -
             f"({num_reqs}, {num_drafts})"
         )
     return drafts_np
+
+
+def check_drafts_array(drafts_np: object, *, num_reqs: int, num_drafts: int) -> None:
+    """Validate a prepared step's drafts given as a host array, [num_reqs, K]
+    of an integer dtype (the host codec's ``send``)."""
+    if not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu":
+        got = getattr(drafts_np, "dtype", type(drafts_np).__name__)
+        raise BatchError(f"drafts must be an integer numpy array, got {got}")
+    if drafts_np.shape != (num_reqs, num_drafts):
+        raise BatchError(f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
+                         f"({num_reqs}, {num_drafts})")

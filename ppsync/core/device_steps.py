@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ppsync.core.batch import BatchView
+from ppsync.core.checks import check_sampled_meta, check_step_drafts_meta
 from ppsync.core.device_codec import (
     V_DRAFTS,
     V_FLAGGED,
@@ -42,8 +44,10 @@ from ppsync.core.device_codec import (
     DeviceFrameCodec,
 )
 from ppsync.core.frame import _H_FLAGS, HEADER_WORDS, FrameView, drafts_desync
+from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, StepEvent
 from ppsync.core.released import ReleasedStep
+from ppsync.core.steps import PreparedStep
 from ppsync.errors import BatchError, DesyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import FLAG_HAS_DRAFTS
@@ -254,3 +258,25 @@ class DeviceSteps:
         return DesyncError(f"rank {self.rank}: frame seq {j.seq} fails the device check "
                            f"(verdict {bad})", expected=j.frame.as_dict(lay),
                            received=lay.header_dict(frame_np))
+
+
+def prepare_device_step(
+    view: BatchView, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
+    num_rejected: torch.Tensor, draft_tokens: torch.Tensor | None, sample_width: int | None,
+    *, config: SyncConfig, device: torch.device,
+) -> tuple[PreparedStep, torch.Tensor | None]:
+    """The device codec's prepare (the last rank): dtypes, shapes and devices
+    are checked here, before anything is issued; the values are checked on
+    the device when the step is sent (a bad one raises at the next call)."""
+    outputs = check_sampled_meta(sampled_token_ids, num_sampled, num_rejected,
+                                 num_reqs=view.num_reqs, sample_width=config.sample_width,
+                                 device=device)
+    drafts = None if draft_tokens is None else check_step_drafts_meta(
+        draft_tokens, num_reqs=view.num_reqs, num_drafts=config.num_speculative_steps,
+        device=device)
+    w = outputs[0].shape[1]
+    if sample_width is not None and w > sample_width:
+        raise BatchError(f"sampled_token_ids.shape[1] = {w} exceeds the "
+                         f"step's sample width {sample_width}")
+    step = PreparedStep(view, need_sampled_mask(view), None, None, None, sample_width, outputs)
+    return step, drafts

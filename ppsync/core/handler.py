@@ -17,10 +17,11 @@ rank raises there and leaves the group usable. Every wait is bounded by
 
 This file holds only what needs the path's state (ring, in-flight works,
 sequence numbers, the failure board); each rule it applies lives in its own
-module (mask, ring, generations, frame, checks, transport, liveness,
-recorder); with ``codec="device"`` the packing, checks, streams, events and
-deferred verdicts are in device_codec and device_steps, and this file only
-branches to them.
+module (mask, ring, generations, frame, checks, transport, liveness and
+failures, release, recorder; the step records in steps); with
+``codec="device"`` the packing, checks, streams, events and deferred
+verdicts are in device_codec and device_steps, and this file only branches
+to them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -39,87 +39,43 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView, validate_batch
 from ppsync.core.checks import (
     check_draft_target,
+    check_drafts_array,
     check_sampled,
-    check_sampled_meta,
     check_step_drafts,
     check_step_drafts_meta,
 )
-from ppsync.core.device_steps import DeviceSteps
+from ppsync.core.device_steps import DeviceSteps, prepare_device_step
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
+from ppsync.core.failures import named_failure, wait_bounded
 from ppsync.core.frame import (
     FrameCodec,
     FrameView,
     check_sample_width,
-    drafts_desync,
     slot_need_words,
 )
 from ppsync.core.generations import GenerationTable
 from ppsync.core.handshake import Handshake
-from ppsync.core.liveness import FailureBoard, kind_of, verdict
+from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
+from ppsync.core.release import release_host
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, PreparedStep
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
-from ppsync.core.transport import Broadcaster, TransportClock, finished, wait_work
+from ppsync.core.transport import Broadcaster, TransportClock, finished
 from ppsync.errors import (
     BatchError,
     ConfigError,
     DesyncError,
-    PeerLost,
     PPSyncError,
     ProtocolError,
     RoleError,
-    SyncTimeout,
 )
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.records import FLAG_HAS_DRAFTS
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class CallNames:
-    """How the caller's API names the token path's calls, so that errors speak
-    the API in use: the services' ``take()``, the vLLM adapter's
-    ``get_prev_sampled_outputs()``, or the token path's own ``consume()``."""
-
-    consume: str = "consume"
-    post: str = "post"
-    publish: str = "publish"
-
-
-@dataclass(slots=True)
-class PendingStep:
-    """A posted receive, waiting in the ring for its consume."""
-
-    frame: FrameView
-    need_np: np.ndarray  # [num_reqs] bool
-    idx_np: np.ndarray  # [num_reqs] int64, a copy of the batch's idx_mapping
-    gen_np: np.ndarray  # [num_reqs] int64 generation snapshot
-    buf: torch.Tensor  # [words] int64 frame buffer the receive fills
-    work: dist.Work
-    expect_drafts: bool | None = None  # None: take the frame's word for it
-    staging: torch.Tensor | None = None  # device codec: host facts of this rank's view
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedStep:
-    """A last-rank step whose inputs passed every check; ready to send."""
-
-    view: BatchView
-    need_np: np.ndarray  # [num_reqs] bool
-    tokens_np: np.ndarray | None  # [num_reqs, w] int; None with the device codec
-    num_sampled_np: np.ndarray | None  # [num_reqs] int; None with the device codec
-    num_rejected_np: np.ndarray | None  # [num_reqs] int; None with the device codec
-    sample_width: int | None = None  # the step's width w in the header; None = L
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    """The device codec's unread (tokens, num_sampled, num_rejected)."""
-
-    @property
-    def num_needed(self) -> int:
-        return int(self.need_np.sum())
 
 
 class TokenPath:
@@ -132,7 +88,7 @@ class TokenPath:
         group: dist.ProcessGroup,
         *,
         board: FailureBoard | Literal["group"] | None = "group",
-        names: CallNames = CallNames(),
+        names: CallNames = TOKEN_PATH_NAMES,
         wait_handshake: bool = True,
         device: torch.device | str | None = None,
         platform: str | Platform | None = None,
@@ -270,8 +226,7 @@ class TokenPath:
                 self.codec.recycle(buf)
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        """Wait at most timeout_s; with a board, in slices, so that a failure
-        any rank posted ends this wait within about a slice."""
+        """Wait at most timeout_s (see ppsync.core.failures.wait_bounded)."""
         if self.clock is None or finished(work):
             self._wait_untimed(work, what)
             return
@@ -282,61 +237,22 @@ class TokenPath:
             self.clock.wait_ns += time.thread_time_ns() - t0
 
     def _wait_untimed(self, work: dist.Work, what: str) -> None:
-        what = f"rank {self.rank}: {what}"
-        timeout = self.config.timeout_s
-        board = self.board
-        if board is None:
-            try:
-                wait_work(work, timeout_s=timeout, what=what, peer=None)
-            except PPSyncError as e:
-                raise self.failed(e) from e
-            return
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                wait_work(work, timeout_s=max(0.001, min(left, board.slice_s)),
-                          what=what, peer=None)
-                return
-            except SyncTimeout as e:
-                if left <= board.slice_s:
-                    raise self.failed(SyncTimeout(f"{what}: no completion within "
-                                                  f"timeout_s = {timeout}")) from e
-                if board.anyone_failed():
-                    raise self.failed(PeerLost(f"{what}: another rank reported a failure"),
-                                      observed=False) from e
-            except PeerLost as e:
-                raise self.failed(e) from e
+        wait_bounded(work, f"rank {self.rank}: {what}", timeout_s=self.config.timeout_s,
+                     board=self.board,
+                     failed=lambda err, observed: self.failed(err, observed=observed))
 
     def failed(
         self, err: PPSyncError, *, settle: bool = True, observed: bool = True
     ) -> PPSyncError:
         """The error to raise for ``err``: the same type on every rank for one
         cause, naming the culprit where the board knows it (see
-        :func:`ppsync.core.liveness.verdict`); ``err`` itself without a board.
-        Posts this rank's notice first. ``settle``: first wait (up to the
-        board's grace) for the survivors to post; an event loop passes False
-        after waiting in its own way. ``observed``: False when this rank only
-        read of a failure on the board (it then posts what the board says).
+        ppsync.core.failures.named_failure); ``err`` itself without a board.
         The error is recorded and, with a dump directory, dumped; its message
         names the file."""
-        named = self._named(err, settle=settle, observed=observed)
+        named = named_failure(err, self.board, rank=self.rank, settle=settle,
+                              observed=observed)
         dump_on_error(self, named)
         return named
-
-    def _named(self, err: PPSyncError, *, settle: bool, observed: bool) -> PPSyncError:
-        board = self.board
-        if board is None:
-            return err
-        if observed:
-            mine = err
-        else:  # report what the board says, so every rank posts the same cause
-            mine = verdict(err, board.notices(), [], rank=self.rank, observed=False)
-        views = ({"expected": mine.expected, "received": mine.received}
-                 if isinstance(mine, DesyncError) else {})
-        board.post(kind_of(mine), str(mine), **views)
-        lost = board.lost() if settle else board.missing()
-        return verdict(err, board.notices(), lost, rank=self.rank, observed=observed)
 
     def leave(self, reason: str) -> None:
         """Tell the peers (on the board) that this rank left its token path
@@ -373,8 +289,9 @@ class TokenPath:
         check_sample_width(sample_width, self.config.sample_width)
         validate_batch(view, self.config.max_num_reqs)
         if self.device_steps is not None:
-            return self._prepare_device(view, sampled_token_ids, num_sampled, num_rejected,
-                                        draft_tokens, sample_width)
+            return prepare_device_step(view, sampled_token_ids, num_sampled, num_rejected,
+                                       draft_tokens, sample_width, config=self.config,
+                                       device=self.platform.device)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
             num_reqs=view.num_reqs,
@@ -389,26 +306,6 @@ class TokenPath:
                              f"step's sample width {sample_width}")
         step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
         return step, drafts_np
-
-    def _prepare_device(
-        self, view: BatchView, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor, draft_tokens: torch.Tensor | None, sample_width: int | None,
-    ) -> tuple[PreparedStep, torch.Tensor | None]:
-        c = self.config
-        device = self.platform.device
-        outputs = check_sampled_meta(sampled_token_ids, num_sampled, num_rejected,
-                                     num_reqs=view.num_reqs, sample_width=c.sample_width,
-                                     device=device)
-        drafts = None if draft_tokens is None else check_step_drafts_meta(
-            draft_tokens, num_reqs=view.num_reqs, num_drafts=c.num_speculative_steps,
-            device=device)
-        w = outputs[0].shape[1]
-        if sample_width is not None and w > sample_width:
-            raise BatchError(f"sampled_token_ids.shape[1] = {w} exceeds the "
-                             f"step's sample width {sample_width}")
-        step = PreparedStep(view, need_sampled_mask(view), None, None, None, sample_width,
-                            outputs)
-        return step, drafts
 
     @records_errors
     def send(
@@ -429,18 +326,9 @@ class TokenPath:
                 drafts_np = check_step_drafts_meta(
                     drafts_np, num_reqs=step.view.num_reqs,
                     num_drafts=self.config.num_speculative_steps, device=self.platform.device)
-        else:
-            if drafts_np is not None and (
-                not isinstance(drafts_np, np.ndarray) or drafts_np.dtype.kind not in "iu"
-            ):
-                raise BatchError(f"drafts must be an integer numpy array, got "
-                                 f"{getattr(drafts_np, 'dtype', type(drafts_np).__name__)}")
-            if drafts_np is not None and drafts_np.shape != (
-                    step.view.num_reqs, self.config.num_speculative_steps):
-                raise BatchError(
-                    f"drafts shape {drafts_np.shape} must be (num_reqs, K) = "
-                    f"({step.view.num_reqs}, {self.config.num_speculative_steps})"
-                )
+        elif drafts_np is not None:
+            check_drafts_array(drafts_np, num_reqs=step.view.num_reqs,
+                               num_drafts=self.config.num_speculative_steps)
         self.steps += 1
         needed = step.num_needed
         if needed == 0:
@@ -602,7 +490,7 @@ class TokenPath:
         else:
             self._wait(head.work, f"receive of frame {head.frame.seq}")
             try:
-                released = self._release(head, keep, table)
+                released = release_host(self.codec, head, keep, table, rank=self.rank)
             except DesyncError as e:
                 raise self.failed(e) from None
             self.codec.recycle(head.buf)  # everything released was copied out
@@ -633,35 +521,6 @@ class TokenPath:
         except BatchError as e:
             dump_on_error(self, e)
             raise
-
-    def _release(
-        self, head: PendingStep, keep: np.ndarray, table: torch.Tensor | None
-    ) -> ReleasedStep:
-        buf_np = head.buf.numpy()
-        flags = self.codec.check(buf_np, head.frame, rank=self.rank)
-        has_drafts = bool(flags & FLAG_HAS_DRAFTS)
-        if head.expect_drafts is not None and head.expect_drafts != has_drafts:
-            raise drafts_desync(self.rank, head.frame.seq, head.expect_drafts, has_drafts,
-                                self.codec.header_dict(buf_np))
-        L = self.config.sample_width
-        w = head.frame.width(self.codec)
-        rows = self.codec.rows(buf_np, head.frame.num_reqs)
-        idx_out = np.where(keep, head.idx_np, -1)
-        drafts = None
-        if has_drafts:
-            drafts_np = self.codec.drafts(rows).copy()  # a copy: the buffer is recycled
-            drafts = torch.from_numpy(drafts_np)
-            if table is not None:
-                _scatter(table, head.idx_np[keep], drafts_np[keep])
-        return ReleasedStep(
-            seq=head.frame.seq,
-            sampled_tokens=torch.from_numpy(rows[:, :w].copy()),
-            num_sampled=torch.from_numpy(rows[:, L].astype(np.int32)),
-            num_rejected=torch.from_numpy(rows[:, L + 1].astype(np.int32)),
-            idx_mapping=torch.from_numpy(idx_out),
-            draft_tokens=drafts,
-            kept_np=keep,
-        )
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -714,13 +573,4 @@ class TokenPath:
         to ``path``, or with None to its file in the dump directory (see
         ppsync.core.dumps; ConfigError when none is set). Returns the file."""
         return write_dump(self, dump_file(self, path), reason="request")
-
-
-def _scatter(table: torch.Tensor, idx_np: np.ndarray, rows_np: np.ndarray) -> None:
-    """table[idx] = rows, for kept rows only (rule 4: never a -1 index)."""
-    if table.device.type == "cpu":
-        table.numpy()[idx_np] = rows_np
-    else:
-        idx = torch.from_numpy(idx_np).to(table.device, non_blocking=True)
-        table[idx] = torch.from_numpy(rows_np).to(table.device, table.dtype, non_blocking=True)
 

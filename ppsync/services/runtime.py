@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.handler import CallNames, TokenPath
+from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
+from ppsync.core.steps import CallNames
 from ppsync.errors import PeerLost, PPSyncError, RoleError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.completion import completed
