@@ -113,10 +113,15 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     if device is not None:
         getattr(torch, device.type).set_device(device)
     backend = None if device is None else platform_for(device).backend
-    _, group = token_groups(layout, timeout_s=config.timeout_s, backend=backend)
-    # the world group keeps the join timeout; the final gather gets the run's own
+    # Making a gloo group connects its ranks, which may still be starting (a
+    # loaded host, containers): bounded by the join timeout, like joining (with
+    # --timeout, 10 s, a compose run failed in connectFullMesh). Their
+    # collectives then get the run's own timeout (the token path sets its
+    # group's; the final gather's is set here).
+    _, group = token_groups(layout, timeout_s=opts.join_timeout_s, backend=backend)
     gather = dist.new_group(list(range(world.world_size)),
-                            timeout=datetime.timedelta(seconds=config.timeout_s))
+                            timeout=datetime.timedelta(seconds=opts.join_timeout_s))
+    gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))
     index = next(i for i, ranks in enumerate(layout) if world.rank in ranks)
     board = FailureBoard(store, ranks=layout[index], me=world.rank)
     progress = None
