@@ -9,6 +9,10 @@ call's thread CPU time, less the CPU the path spent issuing its collective
 and in waits (``TokenPath.clock``), is the codec's own work plus the rest of
 the path (checks, mask, digest, recorder): last rank ``publish``; receiver
 ``consume`` + ``post``. Prints the median µs per step of each.
+
+``--phases`` runs the host codec alone with a :class:`PhaseTimer` on its
+path and prints where the own CPU goes, phase by phase (median µs per step;
+see ppsync.bench.phases for what the timers add).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from ppsync.bench.common import cpu_now, fixed_step
 from ppsync.bench.model import pct_us
+from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.transport import TransportClock
@@ -64,13 +69,59 @@ def _rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, float]:
     return {c: pct_us(np.array(v[warm:], dtype=np.int64), 50) for c, v in own.items()}
 
 
+def _phases_rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, float]:
+    """The host codec's path with every phase timed (see ppsync.bench.phases)."""
+    config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
+                              timeout_s=30.0, codec="host")
+    group = token_group(dist.group.WORLD, timeout_s=30.0)  # type: ignore[arg-type]
+    path = TokenPath(config, group, board=None)
+    timer = PhaseTimer(path)
+    step = fixed_step(rows, spec)
+    samples: list[dict[str, int]] = []
+    totals: list[int] = []
+    try:
+        for _ in range(iters):
+            timer.reset()
+            t0 = cpu_now()
+            if path.is_last:
+                path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected,
+                             step.drafts)
+            else:
+                path.consume()
+                path.post(step.view)
+            spent = cpu_now() - t0
+            totals.append(spent - timer.ns.get("issue", 0) - timer.ns.get("wait", 0))
+            samples.append(dict(timer.ns))
+        if not path.is_last:
+            path.consume()
+            path.consume()
+        path.close()
+    finally:
+        timer.remove()
+    warm = iters // 10
+    return phase_table(samples[warm:], np.array(totals[warm:], dtype=np.int64))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppsync.bench.codec_cpu",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--spec", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--phases", action="store_true",
+                    help="host codec only, per-phase split of the own CPU")
     args = ap.parse_args(argv)
+    if args.phases:
+        receiver, last = spawn_ranks(
+            functools.partial(_phases_rank, args.rows, args.spec, args.iters), 2,
+            timeout_s=120.0)
+        print(f"host codec own CPU by phase, median µs per step (rows={args.rows}, "
+              f"K={args.spec}, {args.iters} steps, 2 gloo ranks; each timed call adds "
+              f"~{2 * clock_overhead_ns() / 1e3:.2f} µs of clock reads)")
+        print(f"{'phase':<26} {'last rank':>10} {'receiver':>10}")
+        for k in sorted(set(last) | set(receiver), key=lambda k: (k in ("other", "total"), k)):
+            print(f"{k:<26} {last.get(k, 0.0):>10.1f} {receiver.get(k, 0.0):>10.1f}")
+        return 0
     receiver, last = spawn_ranks(functools.partial(_rank, args.rows, args.spec, args.iters),
                                  2, timeout_s=120.0)
     print(f"own CPU per step, median µs (rows={args.rows}, K={args.spec}, "
