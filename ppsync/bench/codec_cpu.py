@@ -36,18 +36,17 @@ from ppsync.schemas.config import CodecName, SyncConfig
 CODECS: tuple[CodecName, ...] = ("host", "device")
 
 
-def _rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, float]:
-    paths: dict[str, TokenPath] = {}
-    for codec in CODECS:
-        config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
-                                  timeout_s=30.0, codec=codec)
-        group = token_group(dist.group.WORLD, timeout_s=30.0)  # type: ignore[arg-type]
-        paths[codec] = TokenPath(config, group, board=None)
-        paths[codec].clock = TransportClock()
-    step = fixed_step(rows, spec)
-    own: dict[str, list[int]] = {c: [] for c in CODECS}
+def _rank(configs: dict[str, SyncConfig], iters: int, env: RankEnv) -> dict[str, float]:
+    group = token_group(dist.group.WORLD, timeout_s=30.0)  # type: ignore[arg-type]
+    paths = {c: TokenPath(config, group, board=None) for c, config in configs.items()}
+    for path in paths.values():
+        path.clock = TransportClock()
+    first = next(iter(configs.values()))
+    step = fixed_step(first.max_num_reqs, first.num_speculative_steps)
+    codecs = list(configs)
+    own: dict[str, list[int]] = {c: [] for c in codecs}
     for i in range(iters):
-        for codec in (CODECS if i % 2 else CODECS[::-1]):
+        for codec in (codecs if i % 2 else codecs[::-1]):
             path = paths[codec]
             clock = path.clock
             assert clock is not None
@@ -62,11 +61,23 @@ def _rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, float]:
             own[codec].append(cpu_now() - t0 - (clock.total() - before))
     for path in paths.values():
         if not path.is_last:
-            path.consume()
-            path.consume()
+            for _ in range(path.config.depth):
+                path.consume()
         path.close()
     warm = iters // 10
     return {c: pct_us(np.array(v[warm:], dtype=np.int64), 50) for c, v in own.items()}
+
+
+def path_cpu(configs: dict[str, SyncConfig], iters: int) -> tuple[dict[str, float],
+                                                                   dict[str, float]]:
+    """(last rank, slowest receiver) median own CPU µs per step of real token
+    paths, one per entry of ``configs`` (same pp_size and rows), on
+    ``pp_size`` local gloo ranks: what ``ppsync bench`` reports as the hot
+    own-CPU figure (a tight loop, no compute between steps)."""
+    size = next(iter(configs.values())).pp_size
+    per_rank = spawn_ranks(functools.partial(_rank, configs, iters), size, timeout_s=120.0)
+    receivers = per_rank[:-1]
+    return per_rank[-1], {c: max(r[c] for r in receivers) for c in configs}
 
 
 def _phases_rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, float]:
@@ -122,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         for k in sorted(set(last) | set(receiver), key=lambda k: (k in ("other", "total"), k)):
             print(f"{k:<26} {last.get(k, 0.0):>10.1f} {receiver.get(k, 0.0):>10.1f}")
         return 0
-    receiver, last = spawn_ranks(functools.partial(_rank, args.rows, args.spec, args.iters),
-                                 2, timeout_s=120.0)
+    configs: dict[str, SyncConfig] = {
+        c: SyncConfig.build(pp_size=2, max_num_reqs=args.rows, num_speculative_steps=args.spec,
+                            timeout_s=30.0, codec=c)
+        for c in CODECS
+    }
+    last, receiver = path_cpu(configs, args.iters)
     print(f"own CPU per step, median µs (rows={args.rows}, K={args.spec}, "
           f"{args.iters} steps, 2 gloo ranks)")
     print(f"{'codec':<8} {'last rank':>10} {'receiver':>10}")
