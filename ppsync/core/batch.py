@@ -70,7 +70,8 @@ def unsigned_max(a: np.ndarray) -> int:
         return int(a.max())
     if a.dtype.itemsize < 8:
         a = a.astype(np.int64)  # sign-extends: -1 becomes 2**64 - 1 below
-    return int(a.view(_UNSIGNED[a.dtype]).max())
+    # same byte order, unsigned 64-bit ("<i8" -> "<u8")
+    return int(a.view(a.dtype.str.replace("i", "u")).max())
 
 
 def _max(a: np.ndarray) -> int:
@@ -94,8 +95,9 @@ def out_of_range(a: np.ndarray, hi: int) -> bool:
     dt = a.dtype
     if dt.kind == "u":
         return _max(a) >= hi
-    if hi <= 1 << (8 * dt.itemsize - 1):
-        return _max(a.view(_UNSIGNED[dt])) >= hi
+    unsigned = _UNSIGNED.get(dt)
+    if unsigned is not None and hi <= 1 << (8 * dt.itemsize - 1):
+        return _max(a.view(unsigned)) >= hi
     return unsigned_max(a) >= hi
 
 
