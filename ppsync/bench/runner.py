@@ -7,8 +7,10 @@ case) and then the pipelined one (``bench_pipelined``: an engine-like loop
 with simulated compute and D steps in flight; the headline). Each rank hands
 back raw perf_counter_ns samples; the parent turns them into a
 :class:`~ppsync.bench.model.BenchReport` (spans need every rank's
-timestamps: max(out) - min(in) per iteration), adds the single-process CPU
-micro-benchmark (``bench_cpu``), the ratios and the targets. Benchmarks report
+timestamps: max(out) - min(in) per iteration), adds the hot own-CPU figure
+of the real token path (``codec_cpu.path_cpu``: a second spawn, a tight loop
+of publish / consume + post), the flight recorder's CPU (``bench.cpu``), the
+ratios and the targets (issue 13's). Benchmarks report
 figures; nothing here asserts a timing.
 """
 
@@ -19,8 +21,9 @@ import time
 
 import numpy as np
 
+from ppsync.bench.codec_cpu import path_cpu
 from ppsync.bench.common import rank_ctx, world_barrier
-from ppsync.bench.cpu import micro_cpu, recorder_cpu
+from ppsync.bench.cpu import recorder_cpu
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
 from ppsync.bench.model import (
     BenchOptions,
@@ -76,7 +79,8 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     pipe = [r[1] for r in results]
     lockstep = _lockstep_stats(opts, lock)
     pipelined = _pipelined_stats(opts, pipe)
-    last_micro, recv_micro = micro_cpu(opts)
+    last_hot, recv_hot = path_cpu({"host": opts.sync_config(ring_depth=opts.pp_size)},
+                                  iters=2000)
     rec = recorder_cpu(opts)
     pipe_cpu = [np.concatenate(r.series["ppsync_sync@dedicated"].cpu_ns) for r in pipe]
     cpu = CpuStats(
@@ -84,8 +88,8 @@ def run_bench(opts: BenchOptions) -> BenchReport:
         receiver_inrun_p50_us=max(pct_us(r.cpu_ns, 50) for r in lock[:-1]),
         last_pipelined_p50_us=pct_us(pipe_cpu[-1], 50),
         receiver_pipelined_p50_us=max(pct_us(a, 50) for a in pipe_cpu[:-1]),
-        last_micro_p50_us=last_micro,
-        receiver_micro_p50_us=recv_micro,
+        last_micro_p50_us=last_hot["host"],
+        receiver_micro_p50_us=recv_hot["host"],
         recorder_last_us=rec["last_on"], recorder_last_off_us=rec["last_off"],
         recorder_receiver_us=rec["receiver_on"], recorder_receiver_off_us=rec["receiver_off"],
     )
@@ -179,19 +183,20 @@ def _ratios(opts: BenchOptions, lockstep: list[LockstepStats],
 
 def _targets(opts: BenchOptions, ratios: dict[str, float], cpu: CpuStats, lag_p99_us: float,
              pipelined: list[PipelinedStats]) -> list[Target]:
-    """The issue's targets (set for P=2, C=400 µs, 256 rows); reported only."""
+    """Issue 13's targets (set for P=2, C=400 µs, 256 rows, K=0 and K=3, the
+    flight recorder on); reported only."""
     async_lag = next(s.lag_p99_us for s in pipelined
                      if s.variant == "ppsync_async" and s.group == "dedicated") or 0.0
     rows: list[tuple[str, float, float]] = [
         ("pipelined sync/seeds step", ratios["sync/seeds step"], 0.45),
-        ("pipelined async/seeds step", ratios["async/seeds step"], 0.45),
+        ("pipelined async/seeds step", ratios["async/seeds step"], 0.5),
         ("pipelined sync/seeds blocked", ratios["sync/seeds blocked"], 0.15),
-        ("pipelined async/seeds blocked", ratios["async/seeds blocked"], 0.15),
-        ("lockstep c/b", ratios["c/b"], 0.6 if opts.spec == 0 else 0.45),
-        ("lockstep c/a", ratios["c/a"], 1.15),
-        ("lockstep d/a", ratios["d/a"], 1.5),
-        ("own CPU last rank us (micro)", cpu.last_micro_p50_us, 10.0),
-        ("own CPU receiver us (micro)", cpu.receiver_micro_p50_us, 10.0),
+        ("pipelined async/seeds blocked", ratios["async/seeds blocked"], 0.2),
+        ("lockstep c/b", ratios["c/b"], 1.0 if opts.spec == 0 else 0.75),
+        ("lockstep c/a", ratios["c/a"], 1.25),
+        ("lockstep d/a", ratios["d/a"], 1.6),
+        ("own CPU last rank us (hot, real path)", cpu.last_micro_p50_us, 10.0),
+        ("own CPU receiver us (hot, real path)", cpu.receiver_micro_p50_us, 10.0),
         ("flight recorder us/step last", cpu.recorder_last_us, 2.0),
         ("flight recorder us/step receiver", cpu.recorder_receiver_us, 2.0),
         ("loop lag p99 us (lockstep d)", lag_p99_us, 2000.0),
@@ -232,7 +237,7 @@ def format_tables(report: BenchReport) -> str:
     c = report.cpu
     lines += [
         "own CPU per step (p50 of thread CPU time, us): lockstep c / pipelined sync / "
-        "micro (one process, no collective)",
+        "hot (real path, tight loop, issue and waits subtracted)",
         f"  last rank {c.last_inrun_p50_us:.1f} / {c.last_pipelined_p50_us:.1f} / "
         f"{c.last_micro_p50_us:.1f};  receiver {c.receiver_inrun_p50_us:.1f} / "
         f"{c.receiver_pipelined_p50_us:.1f} / {c.receiver_micro_p50_us:.1f}",

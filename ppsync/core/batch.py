@@ -74,6 +74,33 @@ def unsigned_max(a: np.ndarray) -> int:
     return int(a.view(a.dtype.str.replace("i", "u")).max())
 
 
+def _max(a: np.ndarray) -> int:
+    """max(a) of a non-empty array: ``a[a.argmax()]`` (argmax has numpy's
+    leanest reduction path here, ~0.4 µs against ~1 µs for ``a.max()``)."""
+    return int(a[a.argmax()])
+
+
+_UNSIGNED = {np.dtype(f"{o}i{w}"): np.dtype(f"{o}u{w}") for o in "<>" for w in (1, 2, 4, 8)}
+"""Signed dtype -> the unsigned dtype of the same width and byte order."""
+
+
+def out_of_range(a: np.ndarray, hi: int) -> bool:
+    """True iff some entry of the integer array ``a`` lies outside [0, hi), in
+    one reduction and without a copy where it can: a signed array read as
+    unsigned of its own width puts every negative at or above 2**(bits-1), so
+    that reading is exact for any hi <= 2**(bits-1); a larger hi widens a
+    narrow signed array first (see :func:`unsigned_max`)."""
+    if a.size == 0:
+        return False
+    dt = a.dtype
+    if dt.kind == "u":
+        return _max(a) >= hi
+    unsigned = _UNSIGNED.get(dt)
+    if unsigned is not None and hi <= 1 << (8 * dt.itemsize - 1):
+        return _max(a.view(unsigned)) >= hi
+    return unsigned_max(a) >= hi
+
+
 COUNT_LIMIT = 1 << 62
 """Token counts must stay below this: sums of two counts must not wrap int64."""
 
@@ -120,15 +147,17 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
     if n == 0:
         return
     idx = view.idx_mapping_np
-    if unsigned_max(idx) >= max_num_reqs:  # one pass catches negatives too
+    if out_of_range(idx, max_num_reqs):  # one pass catches negatives too
         row = int(np.argmax((idx < 0) | (idx >= max_num_reqs)))
         raise BatchError(
             f"idx_mapping[{row}] = {int(idx[row])} outside [0, max_num_reqs = {max_num_reqs})"
         )
-    if n > 1 and int(np.bincount(idx, minlength=max_num_reqs).max()) > 1:  # ~8x np.unique
-        twice = int(np.argmax(np.bincount(idx, minlength=max_num_reqs)))
-        raise BatchError(f"idx_mapping holds request slot index {twice} twice; rows must map "
-                         "to distinct request slots")
+    if n > 1:  # in range, so bincount is at most max_num_reqs long (~8x np.unique)
+        seen = np.bincount(idx, minlength=max_num_reqs)
+        if _max(seen) > 1:
+            twice = int(np.argmax(seen))
+            raise BatchError(f"idx_mapping holds request slot index {twice} twice; rows must "
+                             "map to distinct request slots")
     counts = [
         ("num_computed_tokens_np", view.num_computed_tokens_np),
         ("num_scheduled_tokens", view.num_scheduled_tokens_np),
@@ -136,14 +165,16 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
     ]
     if view.max_seq_len_np is not None:
         counts.append(("max_seq_len_np", view.max_seq_len_np))
-    arrays = [a for _, a in counts]
-    if len({a.dtype for a in arrays}) == 1:
+    first = counts[0][1]
+    if all(a.dtype == first.dtype for _, a in counts):
         # One pass for all: OR-ing keeps any sign bit and any bit >= 62, so the
-        # OR read as unsigned reaches the limit iff some count is out of range.
-        merged = np.bitwise_or.reduce(arrays)
-        suspect = unsigned_max(merged) >= _count_limit(merged.dtype)
+        # OR is out of range iff some count is (a sign bit reads as >= 2**62).
+        merged = np.bitwise_or(first, counts[1][1])
+        for _, a in counts[2:]:
+            np.bitwise_or(merged, a, out=merged)
+        suspect = out_of_range(merged, _count_limit(merged.dtype))
     else:  # mixed dtypes do not OR safely (int64 | uint64 has no common type)
-        suspect = any(unsigned_max(a) >= _count_limit(a.dtype) for a in arrays)
+        suspect = any(out_of_range(a, _count_limit(a.dtype)) for _, a in counts)
     if suspect:
         for name, a in counts:
             bad = (a < 0) | (a >= COUNT_LIMIT)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ppsync.core.batch import unsigned_max
+from ppsync.core.batch import out_of_range
 from ppsync.errors import BatchError
 
 _INT_DTYPES = (torch.int64, torch.int32)
@@ -137,11 +137,11 @@ def check_sampled(
         if a.shape[0] != num_reqs:
             raise BatchError(f"{name}.shape = {a.shape} must be (num_reqs,) = ({num_reqs},)")
     if num_reqs:
-        if unsigned_max(ns_np) > w:  # one pass catches negatives too
+        if out_of_range(ns_np, w + 1):  # one pass, no copy; catches negatives too
             bad = (ns_np < 0) | (ns_np > w)
             rule = f"outside [0, w = {w}] (the sample width sent)"
             raise _first_bad("num_sampled", ns_np, bad, rule)
-        if unsigned_max(nr_np) > num_drafts:
+        if out_of_range(nr_np, num_drafts + 1):
             bad = (nr_np < 0) | (nr_np > num_drafts)
             raise _first_bad(
                 "num_rejected", nr_np, bad, f"outside [0, K = {num_drafts}] (num_speculative_steps)"

@@ -56,7 +56,9 @@ def _weights(n: int, salt: int) -> np.ndarray:
 
 def slot_need_words(idx_np: np.ndarray, need_np: np.ndarray) -> np.ndarray:
     """[num_reqs] int64: ``2 * idx + need`` per row (the frame's slot_need column)."""
-    words: np.ndarray = idx_np.astype(np.int64) * 2 + need_np
+    words: np.ndarray = idx_np.astype(np.int64)  # a fresh array: the frame keeps it
+    words *= 2
+    words += need_np
     return words
 
 
@@ -106,6 +108,14 @@ class FrameCodec:
         self._header_w = _weights(HEADER_WORDS, salt=1 << 40)
         self._idx_w = _weights(self.max_num_reqs, salt=1 << 50)
         self._computed_w = _weights(self.max_num_reqs, salt=1 << 55)
+        with np.errstate(over="ignore"):
+            # digest of idx + 1 = digest of idx + sum of the weights: no per-step add
+            self._idx_w_sums = np.concatenate(([0], np.cumsum(self._idx_w)))
+        # header (checksum word weighted 0) and payload weights in one vector,
+        # so the checksum is one dot product over the frame's used prefix; it
+        # equals the header's dot plus the payload's (the device codec's sum)
+        self._frame_w = np.concatenate(
+            (self._header_w[:_H_CSUM], [0], self._payload_w)).astype(np.int64)
         self._free: list[torch.Tensor] = []  # recycled fixed-size frame buffers
 
     def words(self, num_reqs: int) -> int:
@@ -135,12 +145,15 @@ class FrameCodec:
         equal views give equal digests. The computed counts advance every step,
         so a rank one step behind differs even when the request slots do not."""
         n = idx_mapping_np.shape[0]
-        with np.errstate(over="ignore"):  # int64 wraps by design
-            digest = np.dot(idx_mapping_np.astype(np.int64, copy=False) + 1, self._idx_w[:n])
-            if num_computed_tokens_np is not None:
-                digest += np.dot(num_computed_tokens_np.astype(np.int64, copy=False),
-                                 self._computed_w[:n])
-        return int(digest)
+        # sum((idx + 1) * w) = idx . w + sum(w): no temporary idx + 1. Array dots
+        # wrap silently; the scalar sums are Python ints, wrapped to int64 here
+        # (no np.errstate: entering it costs about as much as a dot)
+        digest = (int(np.dot(idx_mapping_np.astype(np.int64, copy=False), self._idx_w[:n]))
+                  + int(self._idx_w_sums[n]))
+        if num_computed_tokens_np is not None:
+            digest += int(np.dot(num_computed_tokens_np.astype(np.int64, copy=False),
+                                 self._computed_w[:n]))
+        return (digest + (1 << 63)) % (1 << 64) - (1 << 63)
 
     def rows(self, buf_np: np.ndarray, num_reqs: int) -> np.ndarray:
         """[num_reqs, W] view of the used rows."""
@@ -148,13 +161,10 @@ class FrameCodec:
         return buf_np[HEADER_WORDS:end].reshape(num_reqs, self.row_width)
 
     def _checksum(self, buf_np: np.ndarray, num_reqs: int) -> int:
-        m = num_reqs * self.row_width
-        payload = buf_np[HEADER_WORDS : HEADER_WORDS + m]
-        head = buf_np[:_H_CSUM]
-        # int64 arithmetic wraps mod 2**64 by design; numpy warns on scalar overflow
-        with np.errstate(over="ignore"):
-            total = np.dot(payload, self._payload_w[:m]) + np.dot(head, self._header_w[:_H_CSUM])
-        return int(total)
+        end = HEADER_WORDS + num_reqs * self.row_width
+        # header . header_w + payload . payload_w in one dot (the checksum word
+        # itself is weighted 0); int64 arithmetic wraps mod 2**64 by design
+        return int(np.dot(buf_np[:end], self._frame_w[:end]))
 
     def pack(
         self,
@@ -210,7 +220,7 @@ class FrameCodec:
         Returns the header's flags; raises :class:`DesyncError` showing both
         views when anything disagrees: the header's shape words, the payload
         checksum, a row's facts (naming the row and field), the digest."""
-        head = buf_np[:HEADER_WORDS]
+        head = buf_np[:HEADER_WORDS].tolist()  # Python ints: cheaper to compare one by one
         n = view.num_reqs
         if not (
             head[_H_MAGIC] == (_MAGIC | FRAME_FORMAT_VERSION)
@@ -220,7 +230,7 @@ class FrameCodec:
             and head[_H_K] == self.num_drafts
         ):
             self._raise_header(buf_np, view, rank)
-        if int(head[_H_CSUM]) != self._checksum(buf_np, n):
+        if head[_H_CSUM] != self._checksum(buf_np, n):
             got = self.header_dict(buf_np)
             raise DesyncError(
                 f"rank {rank}: frame seq {view.seq} fails its payload checksum "
@@ -231,7 +241,7 @@ class FrameCodec:
         self._check_rows(buf_np, view, rank)
         if head[_H_DIGEST] != view.idx_digest:
             self._raise_header(buf_np, view, rank)
-        return int(head[_H_FLAGS])
+        return int(head[_H_FLAGS])  # an int already (tolist)
 
     def _check_rows(self, buf_np: np.ndarray, view: FrameView, rank: int) -> None:
         """Raise DesyncError naming the first row whose facts (request slot,

@@ -9,6 +9,17 @@ register a done-callback on the work's future that hands ``Event.set`` to the
 loop through its thread-safe entry point (asyncio's ``call_soon_threadsafe``,
 trio's ``TrioToken.run_sync_soon``) and await the event under a deadline.
 
+The hand-off itself costs the loop a wake-up through its self-pipe and a
+scheduling round (~150-300 µs per wait on 2 busy cores). Most transfers that
+are still pending when awaited end within tens of µs, so before handing off
+the loop thread first waits inline, at most ``INLINE_WAIT_S`` (50 µs), on a
+``threading.Event`` the same callback sets: a futex sleep that releases the
+GIL (no polling, which would starve gloo's threads). Done within the bound:
+no hand-off at all. Otherwise the loop awaits as before, and the callback
+wakes it. So the loop thread is blocked at most ``INLINE_WAIT_S`` per
+:func:`completed` call, once (tests/services/test_async_inline_wait.py counts
+the inline waits and their bounds on a real run).
+
 A torch future's ``add_done_callback`` runs the callback at once, in the
 calling thread, when the future is already complete; the hand-off then simply
 schedules ``set`` on this same loop, which is harmless.
@@ -31,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -44,6 +56,20 @@ from ppsync.core.transport import finished, wait_work
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 
 EXIT_GRACE_S = 2.0
+"""Longest the exit hook waits for works that still carry a callback."""
+
+INLINE_WAIT_S = 50e-6
+"""Longest the loop thread waits inline (blocked) for a pending transfer
+before handing the wait to the loop; once per :func:`completed` call."""
+
+
+def inline_wait(flag: threading.Event, bound_s: float) -> bool:
+    """Wait on the loop thread, at most ``bound_s``, for ``flag`` (set by a
+    work's done-callback on gloo's thread). A function of its own, so a test
+    can count the calls and check their bounds."""
+    return flag.wait(bound_s)
+
+
 """Longest the exit hook waits for works that still carry a callback."""
 
 _with_callback: dict[int, dist.Work] = {}  # id -> work given a done-callback, not seen done
@@ -102,22 +128,52 @@ async def completed(
     background and its owner keeps its buffer alive)."""
     if not finished(work):
         event = anyio.Event()
-        wake = _loop_waker(event)
-        _remember(work)
-        work.get_future().add_done_callback(lambda _fut: wake())
-        deadline = anyio.current_time() + timeout_s
-        step = timeout_s if board is None else board.slice_s
-        while not event.is_set():
-            left = deadline - anyio.current_time()
-            if left <= 0:
-                raise SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s}")
-            with anyio.move_on_after(min(left, step)):
-                await event.wait()
-            if not event.is_set() and board is not None and board.anyone_failed():
-                raise _Relayed(f"{what}: another rank reported a failure")
+        if not _ended_inline(work, _loop_waker(event)):
+            await _woken(event, timeout_s=timeout_s, what=what, board=board)
     # Ended, by its future's own state: this returns at once, or raises the
     # transfer's own error; it never blocks the loop.
     wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
+
+
+async def _woken(
+    event: anyio.Event, *, timeout_s: float, what: str, board: FailureBoard | None
+) -> None:
+    """Await ``event`` (set by the work's callback through the loop) under
+    the deadline, checking the board every slice."""
+    deadline = anyio.current_time() + timeout_s
+    step = timeout_s if board is None else board.slice_s
+    while not event.is_set():
+        left = deadline - anyio.current_time()
+        if left <= 0:
+            raise SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s}")
+        with anyio.move_on_after(min(left, step)):
+            await event.wait()
+        if not event.is_set() and board is not None and board.anyone_failed():
+            raise _Relayed(f"{what}: another rank reported a failure")
+
+
+def _ended_inline(work: dist.Work, wake: Callable[[], None]) -> bool:
+    """Give ``work`` its done-callback, then wait inline on the loop thread,
+    at most ``INLINE_WAIT_S``, for it: True when the work ended meanwhile
+    (nothing to await); on False the callback calls ``wake`` when it fires.
+
+    The callback sets ``flag`` and calls ``wake`` unless the loop thread is
+    still in the inline wait. The loop leaves that wait, clears ``inline``,
+    then reads ``flag`` again: a callback that saw ``inline`` set (and did
+    not wake the loop) has set ``flag`` before, so it is never missed."""
+    flag = threading.Event()
+    inline = [True]
+
+    def on_done(_fut: object) -> None:
+        flag.set()
+        if not inline[0]:
+            wake()
+
+    _remember(work)
+    work.get_future().add_done_callback(on_done)
+    ended = inline_wait(flag, INLINE_WAIT_S)
+    inline[0] = False
+    return ended or flag.is_set()
 
 
 async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:

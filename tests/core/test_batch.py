@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ppsync.core.batch import BatchView, batch_view_of, validate_batch
+from ppsync.core.batch import BatchView, batch_view_of, out_of_range, validate_batch
 from ppsync.errors import BatchError
 
 MAX_NUM_REQS = 8
@@ -292,3 +292,22 @@ def test_mixed_and_narrow_count_dtypes_are_checked_exactly() -> None:
                        np.ones(n, np.int8))
     with pytest.raises(BatchError, match=r"num_scheduled_tokens\[1\] = -3 outside"):
         validate_batch(narrow, 8)
+
+
+_DTYPES = [f"{order}{kind}{width}" for order in "<>" for kind in "iu" for width in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("hi", [1, 6, 127, 128, 300, 1 << 31, 1 << 62])
+def test_out_of_range_agrees_with_a_plain_comparison(dtype: str, hi: int) -> None:
+    """The one-reduction range check (own-width unsigned view, widened only
+    when hi needs it) says exactly what ``(a < 0) | (a >= hi)`` says, for
+    every integer dtype and byte order, at the edges of each width."""
+    dt = np.dtype(dtype)
+    info = np.iinfo(dt)
+    edges = {0, 1, hi - 1, hi, info.max, info.min, -1, 5, 127, 128, 255, 256}
+    for v in sorted(e for e in edges if info.min <= e <= info.max):
+        a = np.array([0, v, 0], dtype=dt)
+        want = bool(v < 0 or v >= hi)
+        assert out_of_range(a, hi) is want, (dtype, hi, v)
+    assert out_of_range(np.zeros(0, dtype=dt), hi) is False

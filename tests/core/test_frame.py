@@ -384,3 +384,29 @@ def test_idx_digest_tells_apart_prefixes_and_zero_slots() -> None:
     assert codec.idx_digest(np.array([0])) != codec.idx_digest(np.array([], dtype=np.int64))
     assert codec.idx_digest(np.array([0, 1])) != codec.idx_digest(np.array([0]))
     assert codec.idx_digest(np.array([1, 2])) != codec.idx_digest(np.array([1, 3]))
+
+
+def _wrap64(x: int) -> int:
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_checksum_and_digest_are_the_documented_weighted_sums(k: int) -> None:
+    """The folded forms (one dot over header + payload; idx . w + sum(w) for
+    the digest) give the documented sums exactly, wrapped to int64, at any
+    num_reqs and with words anywhere in int64 (Python-int reference)."""
+    codec = _codec(k)
+    rng = np.random.default_rng(k)
+    for n in (0, 1, MAX_NUM_REQS // 2, MAX_NUM_REQS):
+        buf = rng.integers(-(1 << 63), (1 << 63) - 1, size=codec.words(n), dtype=np.int64)
+        m = n * codec.row_width
+        want = sum(int(a) * int(b) for a, b in zip(
+            buf[HEADER_WORDS:HEADER_WORDS + m], codec._payload_w[:m], strict=True))
+        want += sum(int(a) * int(b) for a, b in zip(buf[:7], codec._header_w[:7], strict=True))
+        assert codec._checksum(buf, n) == _wrap64(want)
+        idx = rng.permutation(MAX_NUM_REQS)[:n]
+        computed = rng.integers(0, 1 << 62, size=n)
+        digest = sum((int(i) + 1) * int(w) for i, w in zip(idx, codec._idx_w, strict=False))
+        assert codec.idx_digest(idx) == _wrap64(digest)
+        digest += sum(int(c) * int(w) for c, w in zip(computed, codec._computed_w, strict=False))
+        assert codec.idx_digest(idx.astype(np.int32), computed) == _wrap64(digest)
