@@ -36,6 +36,7 @@ _MODULE_PHASES = {
     "check_draft_target": "checks: draft target",
     "need_sampled_mask": "mask",
     "slot_need_words": "slot_need words",
+    "release_host": "release copies",
 }
 _CODEC_PHASES = {
     "idx_digest": "digest",
@@ -44,7 +45,7 @@ _CODEC_PHASES = {
     "check": "consume: frame check",
     "recycle": "buffer",
 }
-_PATH_PHASES = {"_issue": "issue", "_wait": "wait", "_release": "release copies"}
+_PATH_PHASES = {"_issue": "issue", "_wait": "wait"}
 EXCLUDED = ("issue", "wait")
 """Phases that are not the path's own work (the collective, its waits)."""
 
