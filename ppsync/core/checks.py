@@ -16,9 +16,8 @@ from ppsync.errors import BatchError
 _INT_DTYPES = (torch.int64, torch.int32)
 
 
-def _host(
-    name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = _INT_DTYPES
-) -> np.ndarray:
+def _tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """``t`` if it is a tensor of one of ``dtypes`` with ``ndim`` dims."""
     if not isinstance(t, torch.Tensor):
         raise BatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -26,6 +25,13 @@ def _host(
         raise BatchError(f"{name}.dtype = {t.dtype} must be {allowed}")
     if t.dim() != ndim:
         raise BatchError(f"{name} has {t.dim()} dims, shape {tuple(t.shape)}; {ndim} expected")
+    return t
+
+
+def _host(
+    name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = _INT_DTYPES
+) -> np.ndarray:
+    t = _tensor(name, t, ndim, dtypes)
     if t.is_cpu and not t.requires_grad:
         return t.numpy()  # shares memory; half the cost of detach().cpu().numpy()
     return t.detach().cpu().numpy()
@@ -34,13 +40,7 @@ def _host(
 def _meta(name: str, t: object, ndim: int, device: torch.device,
           dtypes: tuple[torch.dtype, ...] = _INT_DTYPES) -> torch.Tensor:
     """Type, dtype, dims and device of ``t``; its values are not read."""
-    if not isinstance(t, torch.Tensor):
-        raise BatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        allowed = " or ".join(str(d) for d in dtypes)
-        raise BatchError(f"{name}.dtype = {t.dtype} must be {allowed}")
-    if t.dim() != ndim:
-        raise BatchError(f"{name} has {t.dim()} dims, shape {tuple(t.shape)}; {ndim} expected")
+    t = _tensor(name, t, ndim, dtypes)
     if t.device != device:
         raise BatchError(f"{name} is on {t.device}; the token path's device is {device}")
     return t.detach()
