@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
-from ppsync.bench.common import cpu_now, fixed_step
+from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.model import pct_us
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.core.groups import token_group
@@ -34,6 +34,16 @@ from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import CodecName, SyncConfig
 
 CODECS: tuple[CodecName, ...] = ("host", "device")
+
+
+def _step(path: TokenPath, step: FixedStep) -> None:
+    """One engine step of the fixed batch: publish on the last rank, consume
+    then post on a receiver."""
+    if path.is_last:
+        path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected, step.drafts)
+    else:
+        path.consume()
+        path.post(step.view)
 
 
 def _rank(configs: dict[str, SyncConfig], iters: int, env: RankEnv) -> dict[str, float]:
@@ -52,12 +62,7 @@ def _rank(configs: dict[str, SyncConfig], iters: int, env: RankEnv) -> dict[str,
             assert clock is not None
             before = clock.total()
             t0 = cpu_now()
-            if path.is_last:
-                path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected,
-                             step.drafts)
-            else:
-                path.consume()
-                path.post(step.view)
+            _step(path, step)
             own[codec].append(cpu_now() - t0 - (clock.total() - before))
     for path in paths.values():
         if not path.is_last:
@@ -94,12 +99,7 @@ def _phases_rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, fl
         for _ in range(iters):
             timer.reset()
             t0 = cpu_now()
-            if path.is_last:
-                path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected,
-                             step.drafts)
-            else:
-                path.consume()
-                path.post(step.view)
+            _step(path, step)
             spent = cpu_now() - t0
             totals.append(spent - timer.ns.get("issue", 0) - timer.ns.get("wait", 0))
             samples.append(dict(timer.ns))
