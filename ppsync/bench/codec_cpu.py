@@ -1,16 +1,22 @@
-"""The codecs' own CPU per step, host (numpy) next to device (torch ops) on
-CPU tensors, measured on the real token path:
+"""The token path's own CPU per step, hot, on the real path in one process:
 
     python -m ppsync.bench.codec_cpu [--rows 256] [--spec 2] [--iters 3000]
 
-Two local gloo ranks run one fixed decode step of ``rows`` rows on two
-token paths side by side, one per codec, alternating which goes first. Each
-call's thread CPU time, less the CPU the path spent issuing its collective
-and in waits (``TokenPath.clock``), is the codec's own work plus the rest of
-the path (checks, mask, digest, recorder): last rank ``publish``; receiver
-``consume`` + ``post``. Prints the median µs per step of each.
+One process holds both ranks of a real two-rank gloo group (two gloo
+backends over one in-process store, made side by side in two threads) and a
+real :class:`TokenPath` on each: the last rank's and a receiver's. One
+thread runs the engine's steps in a tight loop, publish then consume + post,
+for each codec (host, and device on CPU tensors), alternating which goes
+first. Each call's thread CPU time, less the CPU the path spent issuing its
+collective and in waits (``TokenPath.clock``), is the path's own work:
+checks, mask, digest, codec, recorder. Prints the median µs per step.
 
-``--phases`` runs the host codec alone with a :class:`PhaseTimer` on its
+Why one process: inside a rank process that blocks on its peer every step,
+the first numpy call after a wake-up costs 3-5x its hot cost on these 2
+cores (validate_batch: 7 µs hot, ~33 µs first after a wait); the in-rank
+figures are ``ppsync bench``'s lockstep and pipelined CPU rows.
+
+``--phases`` runs the host codec alone with a :class:`PhaseTimer` on each
 path and prints where the own CPU goes, phase by phase (median µs per step;
 see ppsync.bench.phases for what the timers add).
 """
@@ -18,99 +24,166 @@ see ppsync.bench.phases for what the timers add).
 from __future__ import annotations
 
 import argparse
-import functools
+import datetime
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import cast
 
 import numpy as np
 import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
+from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.model import pct_us
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
-from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.transport import TransportClock
-from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import CodecName, SyncConfig
 
 CODECS: tuple[CodecName, ...] = ("host", "device")
 
 
-def _step(path: TokenPath, step: FixedStep) -> None:
-    """One engine step of the fixed batch: publish on the last rank, consume
-    then post on a receiver."""
-    if path.is_last:
-        path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected, step.drafts)
-    else:
-        path.consume()
-        path.post(step.view)
+def gloo_pair(timeout_s: float = 30.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Both ranks of one two-rank gloo group, in this process: (rank 0, rank 1)."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    made: list[dist.ProcessGroup | None] = [None, None]
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            # a gloo backend serves as the group: TokenPath calls only what
+            # both have (rank, size, broadcast, allgather, set_timeout)
+            made[rank] = cast(dist.ProcessGroup, dist.ProcessGroupGloo(
+                store, rank, 2, datetime.timedelta(seconds=timeout_s)))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors or made[0] is None or made[1] is None:
+        raise RuntimeError(f"a one-process gloo pair could not be made: {errors}")
+    return made[0], made[1]
 
 
-def _rank(configs: dict[str, SyncConfig], iters: int, env: RankEnv) -> dict[str, float]:
-    group = token_group(dist.group.WORLD, timeout_s=30.0)  # type: ignore[arg-type]
-    paths = {c: TokenPath(config, group, board=None) for c, config in configs.items()}
-    for path in paths.values():
+@contextmanager
+def path_pair(config: SyncConfig) -> Iterator[tuple[TokenPath, TokenPath]]:
+    """(last rank, receiver) real token paths of ``config`` (pp_size 2) on a
+    one-process gloo pair, each with a TransportClock; drained and closed
+    on exit."""
+    receiver_group, last_group = gloo_pair(config.timeout_s)
+    paths = [TokenPath(config, g, board=None, wait_handshake=False)
+             for g in (last_group, receiver_group)]
+    link = LoopbackLink()
+    for path in paths:
+        path.finish_handshake()  # on the gloo pair
         path.clock = TransportClock()
-    first = next(iter(configs.values()))
-    step = fixed_step(first.max_num_reqs, first.num_speculative_steps)
-    codecs = list(configs)
-    own: dict[str, list[int]] = {c: [] for c in codecs}
-    for i in range(iters):
-        for codec in (codecs if i % 2 else codecs[::-1]):
-            path = paths[codec]
-            clock = path.clock
-            assert clock is not None
-            before = clock.total()
-            t0 = cpu_now()
-            _step(path, step)
-            own[codec].append(cpu_now() - t0 - (clock.total() - before))
-    for path in paths.values():
-        if not path.is_last:
-            for _ in range(path.config.depth):
-                path.consume()
-        path.close()
+        path.transport = link.end(last=path.is_last)  # type: ignore[assignment]
+    last, receiver = paths
+    try:
+        yield last, receiver
+    finally:
+        for _ in range(config.depth):
+            receiver.consume()
+        last.close()
+        receiver.close()
+
+
+def _timed(path: TokenPath, call: Callable[[], object]) -> int:
+    """Own CPU ns of one call: its thread CPU time less issue and waits."""
+    clock = path.clock
+    assert clock is not None
+    before = clock.total()
+    t0 = cpu_now()
+    call()
+    return cpu_now() - t0 - (clock.total() - before)
+
+
+def _step_calls(last: TokenPath, receiver: TokenPath, step: FixedStep
+                ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """One engine step of the fixed batch: (last rank's publish, receiver's
+    consume then post)."""
+    def publish() -> object:
+        return last.publish(step.view, step.tokens, step.num_sampled, step.num_rejected,
+                            step.drafts)
+
+    def take_post() -> object:
+        receiver.consume()
+        return receiver.post(step.view)
+    return publish, take_post
+
+
+def path_cpu(configs: dict[str, SyncConfig], iters: int
+             ) -> tuple[dict[str, float], dict[str, float]]:
+    """(last rank, receiver) median own CPU µs per step of real token paths,
+    one pair per entry of ``configs`` (pp_size 2), hot: a tight loop in one
+    process. What ``ppsync bench`` reports as the hot own-CPU figure."""
+    own: dict[str, tuple[list[int], list[int]]] = {c: ([], []) for c in configs}
+    with _pairs(configs) as pairs:
+        names = list(configs)
+        for i in range(iters):
+            for name in (names if i % 2 else names[::-1]):
+                last, receiver, publish, take_post = pairs[name]
+                own[name][0].append(_timed(last, publish))
+                own[name][1].append(_timed(receiver, take_post))
     warm = iters // 10
-    return {c: pct_us(np.array(v[warm:], dtype=np.int64), 50) for c, v in own.items()}
+    med = {c: (pct_us(np.array(a[warm:], dtype=np.int64), 50),
+               pct_us(np.array(b[warm:], dtype=np.int64), 50)) for c, (a, b) in own.items()}
+    return {c: m[0] for c, m in med.items()}, {c: m[1] for c, m in med.items()}
 
 
-def path_cpu(configs: dict[str, SyncConfig], iters: int) -> tuple[dict[str, float],
-                                                                   dict[str, float]]:
-    """(last rank, slowest receiver) median own CPU µs per step of real token
-    paths, one per entry of ``configs`` (same pp_size and rows), on
-    ``pp_size`` local gloo ranks: what ``ppsync bench`` reports as the hot
-    own-CPU figure (a tight loop, no compute between steps)."""
-    size = next(iter(configs.values())).pp_size
-    per_rank = spawn_ranks(functools.partial(_rank, configs, iters), size, timeout_s=120.0)
-    receivers = per_rank[:-1]
-    return per_rank[-1], {c: max(r[c] for r in receivers) for c in configs}
+@contextmanager
+def _pairs(configs: dict[str, SyncConfig]) -> Iterator[dict[str, tuple[
+        TokenPath, TokenPath, Callable[[], object], Callable[[], object]]]]:
+    """A path pair per config, with its fixed step's calls."""
+    opened: dict[str, tuple[TokenPath, TokenPath, Callable[[], object],
+                            Callable[[], object]]] = {}
+    managers = []
+    try:
+        for name, config in configs.items():
+            cm = path_pair(config)
+            last, receiver = cm.__enter__()
+            managers.append(cm)
+            step = fixed_step(config.max_num_reqs, config.num_speculative_steps)
+            opened[name] = (last, receiver, *_step_calls(last, receiver, step))
+        yield opened
+    finally:
+        for cm in reversed(managers):
+            cm.__exit__(None, None, None)
 
 
-def _phases_rank(rows: int, spec: int, iters: int, env: RankEnv) -> dict[str, float]:
-    """The host codec's path with every phase timed (see ppsync.bench.phases)."""
+def phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(last rank, receiver) per-phase median µs of the host codec's path,
+    hot, with a PhaseTimer on each path (see ppsync.bench.phases)."""
     config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
                               timeout_s=30.0, codec="host")
-    group = token_group(dist.group.WORLD, timeout_s=30.0)  # type: ignore[arg-type]
-    path = TokenPath(config, group, board=None)
-    timer = PhaseTimer(path)
-    step = fixed_step(rows, spec)
-    samples: list[dict[str, int]] = []
-    totals: list[int] = []
-    try:
-        for _ in range(iters):
-            timer.reset()
-            t0 = cpu_now()
-            _step(path, step)
-            spent = cpu_now() - t0
-            totals.append(spent - timer.ns.get("issue", 0) - timer.ns.get("wait", 0))
-            samples.append(dict(timer.ns))
-        if not path.is_last:
-            path.consume()
-            path.consume()
-        path.close()
-    finally:
-        timer.remove()
+    out = []
+    with path_pair(config) as (last, receiver):
+        calls = _step_calls(last, receiver, fixed_step(rows, spec))
+        timers = [PhaseTimer(last), PhaseTimer(receiver)]
+        try:
+            samples: list[list[dict[str, int]]] = [[], []]
+            totals: list[list[int]] = [[], []]
+            for _ in range(iters):
+                for k in (0, 1):
+                    timers[k].reset()
+                    t0 = cpu_now()
+                    calls[k]()
+                    spent = cpu_now() - t0
+                    ns = timers[k].ns
+                    totals[k].append(spent - ns.get("issue", 0) - ns.get("wait", 0))
+                    samples[k].append(dict(ns))
+        finally:
+            for t in timers:
+                t.remove()
     warm = iters // 10
-    return phase_table(samples[warm:], np.array(totals[warm:], dtype=np.int64))
+    for k in (0, 1):
+        out.append(phase_table(samples[k][warm:], np.array(totals[k][warm:], dtype=np.int64)))
+    return out[0], out[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,11 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="host codec only, per-phase split of the own CPU")
     args = ap.parse_args(argv)
     if args.phases:
-        receiver, last = spawn_ranks(
-            functools.partial(_phases_rank, args.rows, args.spec, args.iters), 2,
-            timeout_s=120.0)
-        print(f"host codec own CPU by phase, median µs per step (rows={args.rows}, "
-              f"K={args.spec}, {args.iters} steps, 2 gloo ranks; each timed call adds "
+        last, receiver = phases(args.rows, args.spec, args.iters)
+        print(f"host codec own CPU by phase, hot, median µs per step (rows={args.rows}, "
+              f"K={args.spec}, {args.iters} steps, one process; each timed call adds "
               f"~{2 * clock_overhead_ns() / 1e3:.2f} µs of clock reads)")
         print(f"{'phase':<26} {'last rank':>10} {'receiver':>10}")
         for k in sorted(set(last) | set(receiver), key=lambda k: (k in ("other", "total"), k)):
@@ -139,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in CODECS
     }
     last, receiver = path_cpu(configs, args.iters)
-    print(f"own CPU per step, median µs (rows={args.rows}, K={args.spec}, "
-          f"{args.iters} steps, 2 gloo ranks)")
+    print(f"own CPU per step, hot, median µs (rows={args.rows}, K={args.spec}, "
+          f"{args.iters} steps, one process)")
     print(f"{'codec':<8} {'last rank':>10} {'receiver':>10}")
     for c in CODECS:
         print(f"{c:<8} {last[c]:>10.1f} {receiver[c]:>10.1f}")

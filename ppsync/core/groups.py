@@ -43,6 +43,21 @@ def token_group(
     return group
 
 
+def group_facts(group: dist.ProcessGroup) -> tuple[int, int, list[int], str]:
+    """(rank, size, global ranks, backend name) of ``group``, read from the
+    group object itself. A group registered with torch.distributed gives its
+    global ranks; an unregistered one (a gloo backend made directly, e.g.
+    two ranks of one process in ``ppsync.bench.hot``) numbers its ranks
+    0..size-1, which is all the token path needs them for (messages, dumps)."""
+    rank, size = group.rank(), group.size()
+    try:
+        ranks = dist.get_process_group_ranks(group)
+        backend = str(dist.get_backend(group))
+    except (KeyError, ValueError, RuntimeError):  # what torch raises for an unknown group
+        ranks, backend = list(range(size)), str(group.name())
+    return rank, size, ranks, backend
+
+
 def pipeline_layout(world_size: int, pp_size: int) -> list[list[int]]:
     """PP groups of a tensor x pipeline layout, vLLM's convention: with
     ``tp = world_size // pp_size``, PP group i holds ranks i, i+tp, i+2tp, ..."""

@@ -54,6 +54,7 @@ from ppsync.core.frame import (
     slot_need_words,
 )
 from ppsync.core.generations import GenerationTable
+from ppsync.core.groups import group_facts
 from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
@@ -100,7 +101,7 @@ class TokenPath:
         ``names``: the caller's names for consume/post/publish, used in errors.
         ``device``: where the device codec's frames live (default CPU);
         ``platform``: cpu, cuda or xpu (default: the device's type)."""
-        size = dist.get_world_size(group)
+        rank, size, group_ranks, backend = group_facts(group)
         if size != config.pp_size:
             raise ConfigError(
                 f"pp_size = {config.pp_size} but the group has {size} ranks; they must match"
@@ -108,15 +109,19 @@ class TokenPath:
         self.config = config
         self.names = names
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = rank
         self.is_last = self.rank == config.pp_size - 1
-        self.src = dist.get_global_rank(group, config.pp_size - 1)
+        self.group_ranks = group_ranks
+        self.global_rank = group_ranks[rank]
+        self.src = group_ranks[config.pp_size - 1]
         self.board = FailureBoard.of_group(group) if board == "group" else board
         bound_group_timeout(group, config.timeout_s)
-        self._broadcaster = Broadcaster(group, config.pp_size - 1)
+        self.transport: Broadcaster = Broadcaster(group, config.pp_size - 1)
+        """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
+        may put a loopback in its place (ppsync.bench.loopback)."""
         self.platform = (platform if isinstance(platform, Platform)
                          else platform_for(device, platform))
-        self.backend = str(dist.get_backend(group))
+        self.backend = backend
         on_device = self.backend in ("nccl", "xccl")  # these take device tensors only
         if on_device and config.codec != "device":  # before the handshake: nothing issued
             raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
@@ -149,8 +154,6 @@ class TokenPath:
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
         """This path's flight recorder (ppsync.core.recorder); see :meth:`dump`."""
-        self.group_ranks: list[int] = dist.get_process_group_ranks(group)
-        self.global_rank = self.group_ranks[self.rank]
         register(self)
 
     def finish_handshake(self) -> None:
@@ -166,10 +169,10 @@ class TokenPath:
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         if self.clock is None:
-            return self._broadcaster.issue(buf)
+            return self.transport.issue(buf)
         t0 = time.thread_time_ns()
         try:
-            return self._broadcaster.issue(buf)
+            return self.transport.issue(buf)
         finally:
             self.clock.issue_ns += time.thread_time_ns() - t0
 

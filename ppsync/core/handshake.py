@@ -46,9 +46,9 @@ class Handshake:
         nonce = secrets.randbits(62)
         mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64, device=device)
         self._gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
-        work = dist.all_gather(self._gathered, mine, group=group, async_op=True)
-        assert work is not None
-        self.work: dist.Work = work
+        # the group's own call: it also serves a group not registered with
+        # torch.distributed (see ppsync.core.groups.group_facts)
+        self.work: dist.Work = group.allgather([self._gathered], [mine])
 
     def finish(self) -> int:
         """Wait (bounded) for every rank's words and raise DesyncError, on
