@@ -51,7 +51,8 @@ def recorder_cpu(opts: BenchOptions, *, iters: int = 20000, block: int = 50) -> 
                             rec.complete(works[(s - depth) % len(works)], s)
                     else:
                         if s >= depth:
-                            rec.consume(frames[s - depth], s, s, keep, time.monotonic_ns())
+                            rec.consume(frames[s - depth], s, s, keep, opts.rows,
+                                        time.monotonic_ns())
                         rec.issue(w, s, s, s, opts.rows, opts.rows, 12345, 0, 0)
                 t1 = cpu_now()
                 seq[last, cap] = s0 + block

@@ -314,7 +314,7 @@ class PPHandler:
             if self.interface == "0.32":
                 check_held_batch(held, input_batch, self.config.max_num_reqs)
                 # gathered on the device (rule 4's rows); the slots are host facts
-                idx = torch.from_numpy(held.view.idx_mapping_np.astype(np.int64))
+                idx = torch.from_numpy(held.facts.idx)
                 drafts = draft_tokens.index_select(0, idx.to(draft_tokens.device,
                                                              non_blocking=True))
             self._held = None
@@ -325,7 +325,7 @@ class PPHandler:
                                           num_drafts=K)
         else:
             check_held_batch(held, input_batch, self.config.max_num_reqs)
-            drafts_np = table_np[held.view.idx_mapping_np]  # [num_reqs, K], owns its memory
+            drafts_np = table_np[held.facts.idx]  # [num_reqs, K], owns its memory
         self._held = None  # cleared first: a failed send is never retried
         self._path.send(held, drafts_np)
 

@@ -10,7 +10,7 @@ from typing import TypeVar, cast
 import numpy as np
 import torch
 
-from ppsync.core.batch import batch_view_of, validate_batch
+from ppsync.core.batch import batch_view_of, check_view_shapes
 from ppsync.core.steps import PreparedStep
 from ppsync.errors import BatchError, ProtocolError
 
@@ -65,10 +65,12 @@ def step_width(input_batch: object, sample_width: int) -> int:
 
 
 def check_held_batch(held: PreparedStep, input_batch: object, max_num_reqs: int) -> None:
-    """Interface 0.32's broadcast_drafts names broadcast()'s batch."""
+    """Interface 0.32's broadcast_drafts names broadcast()'s batch: the same
+    num_reqs and idx_mapping (broadcast() checked that batch in full; what is
+    sent is the held step's own copy of its facts)."""
     view = batch_view_of(input_batch)
-    validate_batch(view, max_num_reqs)
-    idx_np = held.view.idx_mapping_np
+    check_view_shapes(view, max_num_reqs)
+    idx_np = held.facts.idx
     if view.num_reqs != held.view.num_reqs:
         raise BatchError(
             f"input_batch.num_reqs = {view.num_reqs} but the held step has "
@@ -83,19 +85,11 @@ def check_held_batch(held: PreparedStep, input_batch: object, max_num_reqs: int)
 
 
 def detached(step: PreparedStep) -> PreparedStep:
-    """``step`` with its own copies of every array: on CPU, ``prepare`` reads
-    the caller's tensors and batch arrays without copying, and an engine may
-    refill those buffers before a held step is sent."""
-    v = step.view
-    view = dataclasses.replace(
-        v,
-        idx_mapping_np=v.idx_mapping_np.copy(),
-        num_computed_tokens_np=v.num_computed_tokens_np.copy(),
-        num_scheduled_tokens_np=v.num_scheduled_tokens_np.copy(),
-        prefill_len_np=v.prefill_len_np.copy(),
-        max_seq_len_np=None if v.max_seq_len_np is None else v.max_seq_len_np.copy(),
-        is_prefilling_np=None if v.is_prefilling_np is None else v.is_prefilling_np.copy(),
-    )
+    """``step`` with its own copies of every array it sends: on CPU,
+    ``prepare`` reads the caller's tensors without copying, and an engine may
+    refill those buffers before a held step is sent. The batch's facts are
+    the step's own already (``step.facts``), and ``send`` reads the view's
+    num_reqs only."""
     def own(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else a.copy()
 
@@ -104,8 +98,6 @@ def detached(step: PreparedStep) -> PreparedStep:
         outputs = (outputs[0].clone(), outputs[1].clone(), outputs[2].clone())
     return dataclasses.replace(
         step,
-        view=view,
-        need_np=step.need_np.copy(),
         tokens_np=own(step.tokens_np),
         num_sampled_np=own(step.num_sampled_np),
         num_rejected_np=own(step.num_rejected_np),

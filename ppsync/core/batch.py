@@ -126,9 +126,8 @@ def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None
         raise BatchError(f"{name}.dtype = {a.dtype} must be an integer dtype")
 
 
-def validate_batch(view: BatchView, max_num_reqs: int) -> None:
-    """Check dtypes, shapes and ranges; raise :class:`BatchError` naming the
-    first field that breaks a rule. Runs before any collective."""
+def check_view_shapes(view: BatchView, max_num_reqs: int) -> None:
+    """validate_batch's type, dtype and shape rules alone (no value read)."""
     if not isinstance(view, BatchView):
         raise BatchError(f"view must be a BatchView, got {type(view).__name__}")
     n = view.num_reqs
@@ -144,6 +143,13 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
         _check_array("max_seq_len_np", view.max_seq_len_np, n)
     if view.is_prefilling_np is not None:
         _check_array("is_prefilling_np", view.is_prefilling_np, n, boolean=True)
+
+
+def validate_batch(view: BatchView, max_num_reqs: int) -> None:
+    """Check dtypes, shapes and ranges; raise :class:`BatchError` naming the
+    first field that breaks a rule. Runs before any collective."""
+    check_view_shapes(view, max_num_reqs)
+    n = view.num_reqs
     if n == 0:
         return
     idx = view.idx_mapping_np
@@ -181,3 +187,62 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
             if bad.any():
                 row = int(np.argmax(bad))
                 raise BatchError(f"{name}[{row}] = {int(a[row])} outside [0, 2**62)")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFacts:
+    """What the token path derives from one checked batch view, in one fresh
+    ``block`` [3, num_reqs] int64 that the path may keep (a copy: the engine
+    may refill its arrays): row 0 idx_mapping, row 1 slot_need (``2 * idx +
+    need``, the frame's column), row 2 num_computed_tokens."""
+
+    block: np.ndarray
+    need: np.ndarray  # [num_reqs] bool: rows that produce a sample (rule 1)
+    needed: int  # need.sum()
+
+    @property
+    def idx(self) -> np.ndarray:
+        return self.block[0]  # type: ignore[no-any-return]
+
+    @property
+    def slot_need(self) -> np.ndarray:
+        return self.block[1]  # type: ignore[no-any-return]
+
+    @property
+    def computed(self) -> np.ndarray:
+        return self.block[2]  # type: ignore[no-any-return]
+
+
+def batch_facts(view: BatchView, max_num_reqs: int) -> BatchFacts:
+    """:func:`validate_batch` and :func:`~ppsync.core.mask.need_sampled_mask`
+    in one pass over one copy: the view's four arrays go into one int64 block,
+    which one reduction range-checks for every count at once (any negative
+    reads as >= 2**63 unsigned) and one bincount checks for distinct slots;
+    the mask and the slot_need words are computed in the same block. When a
+    check fails, validate_batch runs to raise its error naming the field, the
+    row and the value; every rule and message is validate_batch's. A view
+    with the optional max_seq_len / is_prefilling arrays takes the two
+    functions as they are."""
+    from ppsync.core.mask import need_sampled_mask  # mask imports this module
+
+    check_view_shapes(view, max_num_reqs)
+    n = view.num_reqs
+    block = np.empty((4, n), dtype=np.int64)
+    block[0] = view.idx_mapping_np  # narrow or unsigned dtypes: exact, or negative
+    if view.max_seq_len_np is not None or view.is_prefilling_np is not None:
+        validate_batch(view, max_num_reqs)
+        need = need_sampled_mask(view)
+        block[2] = view.num_computed_tokens_np
+    else:
+        block[1] = view.num_scheduled_tokens_np
+        block[2] = view.num_computed_tokens_np
+        block[3] = view.prefill_len_np
+        if n and (out_of_range(block[0], max_num_reqs)
+                  or _max(block[1:].reshape(-1).view(np.uint64)) >= COUNT_LIMIT
+                  or (n > 1 and _max(np.bincount(block[0], minlength=max_num_reqs)) > 1)):
+            validate_batch(view, max_num_reqs)  # raises, naming the field and row
+        need = np.add(block[1], block[2]) >= block[3]  # counts < 2**62: no wrap
+    slot_need = block[1]
+    np.multiply(block[0], 2, out=slot_need)
+    slot_need += need
+    return BatchFacts(block[:3], need, int(np.count_nonzero(need)))

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
+from ppsync.core.batch import BatchFacts, BatchView
 from ppsync.core.checks import check_sampled_meta, check_step_drafts_meta
 from ppsync.core.device_codec import (
     V_DRAFTS,
@@ -44,7 +44,6 @@ from ppsync.core.device_codec import (
     DeviceFrameCodec,
 )
 from ppsync.core.frame import _H_FLAGS, HEADER_WORDS, FrameView, drafts_desync
-from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, StepEvent
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PreparedStep
@@ -261,7 +260,7 @@ class DeviceSteps:
 
 
 def prepare_device_step(
-    view: BatchView, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
+    view: BatchView, facts: BatchFacts, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
     num_rejected: torch.Tensor, draft_tokens: torch.Tensor | None, sample_width: int | None,
     *, config: SyncConfig, device: torch.device,
 ) -> tuple[PreparedStep, torch.Tensor | None]:
@@ -278,5 +277,5 @@ def prepare_device_step(
     if sample_width is not None and w > sample_width:
         raise BatchError(f"sampled_token_ids.shape[1] = {w} exceeds the "
                          f"step's sample width {sample_width}")
-    step = PreparedStep(view, need_sampled_mask(view), None, None, None, sample_width, outputs)
+    step = PreparedStep(view, facts, None, None, None, sample_width, outputs)
     return step, drafts

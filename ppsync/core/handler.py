@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView, validate_batch
+from ppsync.core.batch import BatchFacts, BatchView, batch_facts
 from ppsync.core.checks import (
     check_draft_target,
     check_drafts_array,
@@ -47,17 +47,11 @@ from ppsync.core.checks import (
 from ppsync.core.device_steps import DeviceSteps, prepare_device_step
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
 from ppsync.core.failures import named_failure, wait_bounded
-from ppsync.core.frame import (
-    FrameCodec,
-    FrameView,
-    check_sample_width,
-    slot_need_words,
-)
+from ppsync.core.frame import FrameCodec, FrameView, check_sample_width
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
 from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard
-from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.release import release_host
@@ -286,15 +280,23 @@ class TokenPath:
         Device codec: dtypes, shapes and the batch view are checked here; the
         values of num_sampled / num_rejected are checked on the device, and a
         bad one raises BatchError at the next call (see ppsync.core.device_steps)."""
+        return self._prepare(view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
+                             sample_width)
+
+    def _prepare(
+        self, view: BatchView, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor, draft_tokens: torch.Tensor | None,
+        sample_width: int | None,
+    ) -> tuple[PreparedStep, np.ndarray | torch.Tensor | None]:
         self._check_role(self.names.publish, last=True)
         if self.device_steps is not None:
             self.device_steps.judge_sent()
         check_sample_width(sample_width, self.config.sample_width)
-        validate_batch(view, self.config.max_num_reqs)
+        facts = batch_facts(view, self.config.max_num_reqs)
         if self.device_steps is not None:
-            return prepare_device_step(view, sampled_token_ids, num_sampled, num_rejected,
-                                       draft_tokens, sample_width, config=self.config,
-                                       device=self.platform.device)
+            return prepare_device_step(view, facts, sampled_token_ids, num_sampled,
+                                       num_rejected, draft_tokens, sample_width,
+                                       config=self.config, device=self.platform.device)
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
             num_reqs=view.num_reqs,
@@ -307,8 +309,7 @@ class TokenPath:
         if sample_width is not None and tokens_np.shape[1] > sample_width:
             raise BatchError(f"sampled_token_ids.shape[1] = {tokens_np.shape[1]} exceeds the "
                              f"step's sample width {sample_width}")
-        step = PreparedStep(view, need_sampled_mask(view), tokens_np, ns_np, nr_np, sample_width)
-        return step, drafts_np
+        return PreparedStep(view, facts, tokens_np, ns_np, nr_np, sample_width), drafts_np
 
     @records_errors
     def send(
@@ -317,6 +318,11 @@ class TokenPath:
         """Broadcast a prepared step (drafts_np: [num_reqs, K] or None; the
         device codec takes a tensor). Returns the rows needing a sample; 0
         means the step had no transfer."""
+        return self._send(step, drafts_np)
+
+    def _send(
+        self, step: PreparedStep, drafts_np: np.ndarray | torch.Tensor | None = None
+    ) -> int:
         self._check_role(self.names.publish, last=True)
         if not isinstance(step, PreparedStep):
             raise BatchError(f"step must be a PreparedStep from prepare(), got "
@@ -333,17 +339,14 @@ class TokenPath:
             check_drafts_array(drafts_np, num_reqs=step.view.num_reqs,
                                num_drafts=self.config.num_speculative_steps)
         self.steps += 1
-        needed = step.num_needed
+        facts = step.facts
+        needed = facts.needed
         if needed == 0:
             self.recorder.call(True, self.steps - 1, 0, step.view.num_reqs)
             return 0
         self._prune()
         codec = self.codec
-        v = step.view
-        frame = FrameView(self.seq, v.num_reqs,
-                          codec.idx_digest(v.idx_mapping_np, v.num_computed_tokens_np),
-                          slot_need_words(v.idx_mapping_np, step.need_np),
-                          v.num_computed_tokens_np, step.sample_width)
+        frame = self._frame_view(facts, step.sample_width)
         if self.device_steps is not None:
             if step.outputs is None:
                 raise BatchError("step was prepared for the host codec; this path uses the "
@@ -380,8 +383,14 @@ class TokenPath:
     ) -> int:
         """Check and broadcast one step (last rank). Returns the rows needing a
         sample; 0 means the step had no transfer on any rank."""
-        return self.send(*self.prepare(view, sampled_token_ids, num_sampled, num_rejected,
-                                       draft_tokens))
+        return self._send(*self._prepare(view, sampled_token_ids, num_sampled, num_rejected,
+                                         draft_tokens, None))
+
+    def _frame_view(self, facts: BatchFacts, sample_width: int | None) -> FrameView:
+        """This rank's view of the frame it issues next."""
+        return FrameView(self.seq, facts.need.shape[0],
+                         self.codec.idx_digest(facts.idx, facts.computed), facts.slot_need,
+                         facts.computed, sample_width)
 
     # -- receivers --------------------------------------------------------
 
@@ -405,20 +414,16 @@ class TokenPath:
                 f"rank {self.rank}: {p}() without a {c}() before it; each step is "
                 f"{c}() then {p}()"
             )
-        validate_batch(view, self.config.max_num_reqs)
-        need = need_sampled_mask(view)
-        needed = int(need.sum())
+        # the facts are copies: the engine may refill its batch arrays before
+        # this step is consumed
+        facts = batch_facts(view, self.config.max_num_reqs)
+        needed = facts.needed
         self._tail_open = False
         self.steps += 1
         if needed == 0:
             self.recorder.call(False, self.steps - 1, self.ring.advanced, view.num_reqs)
             return 0
-        idx_np = np.array(view.idx_mapping_np, dtype=np.int64)
-        # copies: the engine may refill its batch arrays before this step is consumed
-        frame = FrameView(self.seq, view.num_reqs,
-                          self.codec.idx_digest(idx_np, view.num_computed_tokens_np),
-                          slot_need_words(idx_np, need),
-                          view.num_computed_tokens_np.astype(np.int64), sample_width)
+        frame = self._frame_view(facts, sample_width)
         staging = None
         if self.device_steps is not None:
             buf, staging, work = self.device_steps.post(frame, self._issue)
@@ -427,8 +432,9 @@ class TokenPath:
             work = self._issue(buf)
         self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
                             needed, frame.idx_digest, 0, 0)
-        self.ring.fill_tail(PendingStep(frame, need, idx_np, self.generations.snapshot(idx_np),
-                                        buf, work, expect_drafts, staging))
+        self.ring.fill_tail(PendingStep(frame, facts.need, needed, facts.idx,
+                                        self.generations.mark(), buf, work, expect_drafts,
+                                        staging))
         self.last_issue = (self.seq, buf, work)
         self.seq += 1
         return needed
@@ -439,15 +445,19 @@ class TokenPath:
         if self.is_last or self._closed:
             return None
         head = self.ring.head()
-        if head is None or not self._keep(head).any():
+        if head is None or self._keep(head)[1] == 0:
             return None
         return head.work
 
-    def _keep(self, head: PendingStep) -> np.ndarray:
-        """[num_reqs] bool: rows that needed a sample and whose slot was not
-        freed since the receive was posted."""
-        keep: np.ndarray = head.need_np & self.generations.unchanged(head.idx_np, head.gen_np)
-        return keep
+    def _keep(self, head: PendingStep) -> tuple[np.ndarray, int]:
+        """([num_reqs] bool, their count): rows that needed a sample and whose
+        slot was not freed since the receive was posted (the usual step, with
+        no slot freed since: the need mask itself)."""
+        unchanged = self.generations.unchanged_since(head.idx_np, head.freed_mark)
+        if unchanged is None:
+            return head.need_np, head.needed
+        keep: np.ndarray = head.need_np & unchanged
+        return keep, int(np.count_nonzero(keep))
 
     @records_errors
     def consume(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
@@ -478,14 +488,14 @@ class TokenPath:
         self._tail_open = True
         if head is None:
             return None
-        keep = self._keep(head)
-        if not keep.any():
+        keep, kept = self._keep(head)
+        if kept == 0:
             # Nothing to hand out: do not wait, but keep the buffer alive and
             # the work watched until it completes.
             self._inflight.append((head.buf, head.work))
             if self.device_steps is not None and head.staging is not None:
                 self.device_steps.reuse(head.staging)  # the receive never touches it
-            self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0)
+            self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0, 0)
             return None
         wait_from_ns = time.monotonic_ns()
         if self.device_steps is not None:
@@ -493,11 +503,12 @@ class TokenPath:
         else:
             self._wait(head.work, f"receive of frame {head.frame.seq}")
             try:
-                released = release_host(self.codec, head, keep, table, rank=self.rank)
+                released = release_host(self.codec, head, keep, kept, table, rank=self.rank)
             except DesyncError as e:
                 raise self.failed(e) from None
             self.codec.recycle(head.buf)  # everything released was copied out
-        self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, wait_from_ns)
+        self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, kept,
+                              wait_from_ns)
         return released
 
     def _release_device(

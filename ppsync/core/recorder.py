@@ -41,7 +41,6 @@ _EVENT = struct.Struct(f"<{len(FIELDS)}q")
 EVENT_BYTES = _EVENT.size
 _pack = _EVENT.pack_into
 _mono = time.monotonic_ns
-_count = np.count_nonzero
 K_POST, K_PUBLISH, K_ISSUE, K_COMPLETE, K_CONSUME, K_FREE, K_ERROR = range(len(EVENT_KINDS))
 _TABLE = 2048  # in-flight table entries (far above any ring depth + pending sends)
 _MAX_ERRORS = 64  # distinct errors kept by name; later ones reuse the last name
@@ -115,9 +114,9 @@ class FlightRecorder:
         self._n = n + 1
 
     def consume(self, frame: FrameView, step: int, advanced: int, keep_np: np.ndarray | None,
-                wait_from_ns: int) -> None:
+                kept: int, wait_from_ns: int) -> None:
         """``frame``'s step was released; ``keep_np`` ([num_reqs] bool) marks
-        the rows handed out (the others were excluded); the wait began at
+        the ``kept`` rows handed out (the others were excluded); the wait began at
         ``wait_from_ns`` (monotonic). None: every row was excluded, nothing
         was waited for, and the receive stays in flight until a
         :meth:`complete`."""
@@ -126,9 +125,8 @@ class FlightRecorder:
         seq, n = frame.seq, self._n
         i = seq % _TABLE
         now = _mono()
-        blocked = kept = 0
+        blocked = 0
         if keep_np is not None:
-            kept = int(_count(keep_np))
             blocked = now - wait_from_ns
             works = self._works
             works[i] = None

@@ -13,11 +13,12 @@ from ppsync.core.steps import PendingStep
 from ppsync.schemas.records import FLAG_HAS_DRAFTS
 
 
-def release_host(codec: FrameCodec, head: PendingStep, keep: np.ndarray,
+def release_host(codec: FrameCodec, head: PendingStep, keep: np.ndarray, kept: int,
                  table: torch.Tensor | None, *, rank: int) -> ReleasedStep:
     """Check ``head``'s received frame against this rank's view (DesyncError)
-    and read it out. Everything handed out is a copy: the frame buffer is
-    recycled once this returns."""
+    and read it out; ``kept``: how many rows ``keep`` holds. Everything handed
+    out is the caller's own: copies of the frame buffer (recycled once this
+    returns) and the posted step's own idx copy."""
     buf_np = head.buf.numpy()
     flags = codec.check(buf_np, head.frame, rank=rank)
     has_drafts = bool(flags & FLAG_HAS_DRAFTS)
@@ -27,13 +28,19 @@ def release_host(codec: FrameCodec, head: PendingStep, keep: np.ndarray,
     L = codec.sample_width
     w = head.frame.width(codec)
     rows = codec.rows(buf_np, head.frame.num_reqs)
-    idx_out = np.where(keep, head.idx_np, -1)
+    n = head.frame.num_reqs
+    # every row kept (the usual step): the posted step's idx copy, which
+    # nothing else holds once the step is released, is handed out as it is
+    idx_out = head.idx_np if kept == n else np.where(keep, head.idx_np, -1)
     drafts = None
     if has_drafts:
         drafts_np = codec.drafts(rows).copy()
         drafts = torch.from_numpy(drafts_np)
         if table is not None:
-            scatter_rows(table, head.idx_np[keep], drafts_np[keep])
+            if kept == n:
+                scatter_rows(table, head.idx_np, drafts_np)
+            else:
+                scatter_rows(table, head.idx_np[keep], drafts_np[keep])
     return ReleasedStep(
         seq=head.frame.seq,
         sampled_tokens=torch.from_numpy(rows[:, :w].copy()),

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
+from ppsync.core.batch import BatchFacts, BatchView
 from ppsync.core.frame import FrameView
 
 
@@ -35,8 +35,9 @@ class PendingStep:
 
     frame: FrameView
     need_np: np.ndarray  # [num_reqs] bool
+    needed: int  # need_np.sum()
     idx_np: np.ndarray  # [num_reqs] int64, a copy of the batch's idx_mapping
-    gen_np: np.ndarray  # [num_reqs] int64 generation snapshot
+    freed_mark: int  # GenerationTable.mark() when posted (rule 3)
     buf: torch.Tensor  # [words] int64 frame buffer the receive fills
     work: dist.Work
     expect_drafts: bool | None = None  # None: take the frame's word for it
@@ -48,7 +49,7 @@ class PreparedStep:
     """A last-rank step whose inputs passed every check; ready to send."""
 
     view: BatchView
-    need_np: np.ndarray  # [num_reqs] bool
+    facts: BatchFacts  # the view's checked facts and need mask (own copies)
     tokens_np: np.ndarray | None  # [num_reqs, w] int; None with the device codec
     num_sampled_np: np.ndarray | None  # [num_reqs] int; None with the device codec
     num_rejected_np: np.ndarray | None  # [num_reqs] int; None with the device codec
@@ -57,5 +58,10 @@ class PreparedStep:
     """The device codec's unread (tokens, num_sampled, num_rejected)."""
 
     @property
+    def need_np(self) -> np.ndarray:
+        """[num_reqs] bool: rows that produce a sample."""
+        return self.facts.need
+
+    @property
     def num_needed(self) -> int:
-        return int(self.need_np.sum())
+        return self.facts.needed

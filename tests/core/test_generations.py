@@ -97,3 +97,20 @@ def test_non_int_slot_names_the_value(req_idx: object, shown: str) -> None:
     with pytest.raises(BatchError, match=rf"req_idx = {shown} must be an int"):
         table.bump(req_idx)  # type: ignore[arg-type]
     assert table.snapshot(np.arange(4)).tolist() == [0, 0, 0, 0]
+
+
+def test_mark_and_unchanged_since_answer_as_snapshot_and_unchanged() -> None:
+    table = GenerationTable(6)
+    idx = np.array([5, 0, 3, 1], dtype=np.int64)
+    mark, snap = table.mark(), table.snapshot(idx)
+    assert table.unchanged_since(idx, mark) is None  # nothing freed: every row unchanged
+    table.bump(3)
+    table.bump(2)  # a slot no row holds
+    since = table.unchanged_since(idx, mark)
+    assert since is not None and since.tolist() == table.unchanged(idx, snap).tolist()
+    assert since.tolist() == [True, True, False, True]
+    later = table.mark()
+    assert table.unchanged_since(idx, later) is None
+    table.bump(5)
+    since = table.unchanged_since(idx, later)
+    assert since is not None and since.tolist() == [False, True, True, True]

@@ -51,8 +51,8 @@ def test_in_flight_follows_issue_consume_and_complete() -> None:
         rec.issue(w, s, s, s + 1, 4, 3, 100 + s, 0, 0)
     assert rec.in_flight_seqs() == [0, 1, 2, 3]
     keep = np.array([True, False, True, True])
-    rec.consume(FrameView(0, 4, 100), 4, 4, keep, time.monotonic_ns())
-    rec.consume(FrameView(1, 4, 101), 5, 5, None, 0)  # every row excluded: still in flight
+    rec.consume(FrameView(0, 4, 100), 4, 4, keep, 3, time.monotonic_ns())
+    rec.consume(FrameView(1, 4, 101), 5, 5, None, 0, 0)  # every row excluded: still in flight
     assert rec.in_flight_seqs() == [1, 2, 3]
     rec.complete(works[2], 6)
     rec.complete(works[1], 6)
