@@ -70,7 +70,7 @@ from fault_fuzz_inputs import Bad, collect, int_tensor, replace_field, uniform
 from fault_tools import watchdog
 from hypothesis import strategies as st
 
-from ppsync.core.batch import BatchView
+from ppsync.core.batch import BatchView, batch_facts
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.steps import PreparedStep
@@ -214,7 +214,7 @@ def _make(path: TokenPath, call: BadCall) -> None:
         elif arg == "step":
             step = bad.value  # type: ignore[assignment]
         else:  # a receiver cannot prepare; a well-formed step all the same
-            step = PreparedStep(BASE, np.ones(3, dtype=bool), tokens(BASE_R).numpy(),
+            step = PreparedStep(BASE, batch_facts(BASE, MAX_NUM_REQS), tokens(BASE_R).numpy(),
                                 np.array(NUM_SAMPLED), np.array(NUM_REJECTED))
         drafts_np = bad.value if arg == "drafts_np" else drafts(BASE_R)
         path.send(step, drafts_np)  # type: ignore[arg-type]
