@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.loopback import LoopbackLink
-from ppsync.bench.model import pct_us
+from ppsync.bench.model import BenchOptions, pct_us
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.core.handler import TokenPath
 from ppsync.core.transport import TransportClock
@@ -117,11 +117,33 @@ def _step_calls(last: TokenPath, receiver: TokenPath, step: FixedStep
     return publish, take_post
 
 
+QUIET_BLOCK = 250
+"""Steps per block of :func:`quiet_median`."""
+
+
+def quiet_median(ns: list[int], block: int = QUIET_BLOCK) -> float:
+    """µs: the median of the quietest block of ``block`` consecutive steps.
+    This machine's speed drifts by up to 2x over seconds (other tenants):
+    block medians of one path in one run range from 52 to 124 µs, so the
+    quietest block's median is the path's cost (as ``timeit`` takes a
+    minimum) and a drift between two runs does not read as a change."""
+    start = _quietest_block(ns, block)
+    return pct_us(np.array(ns[start:start + block], dtype=np.int64), 50)
+
+
+def hot_config(opts: BenchOptions) -> SyncConfig:
+    """The two-rank configuration of the hot figure for a bench run's rows
+    and K (its cost per rank does not depend on P)."""
+    return SyncConfig.build(pp_size=2, max_num_reqs=opts.max_num_reqs or opts.rows,
+                            num_speculative_steps=opts.spec, timeout_s=opts.timeout_s)
+
+
 def path_cpu(configs: dict[str, SyncConfig], iters: int
              ) -> tuple[dict[str, float], dict[str, float]]:
-    """(last rank, receiver) median own CPU µs per step of real token paths,
-    one pair per entry of ``configs`` (pp_size 2), hot: a tight loop in one
-    process. What ``ppsync bench`` reports as the hot own-CPU figure."""
+    """(last rank, receiver) own CPU µs per step of real token paths, one
+    pair per entry of ``configs`` (pp_size 2), hot: a tight loop in one
+    process; each figure is :func:`quiet_median` of the steps after a
+    warm-up tenth. What ``ppsync bench`` reports as the hot own-CPU figure."""
     own: dict[str, tuple[list[int], list[int]]] = {c: ([], []) for c in configs}
     with _pairs(configs) as pairs:
         names = list(configs)
@@ -131,8 +153,7 @@ def path_cpu(configs: dict[str, SyncConfig], iters: int
                 own[name][0].append(_timed(last, publish))
                 own[name][1].append(_timed(receiver, take_post))
     warm = iters // 10
-    med = {c: (pct_us(np.array(a[warm:], dtype=np.int64), 50),
-               pct_us(np.array(b[warm:], dtype=np.int64), 50)) for c, (a, b) in own.items()}
+    med = {c: (quiet_median(a[warm:]), quiet_median(b[warm:])) for c, (a, b) in own.items()}
     return {c: m[0] for c, m in med.items()}, {c: m[1] for c, m in med.items()}
 
 
@@ -158,7 +179,8 @@ def _pairs(configs: dict[str, SyncConfig]) -> Iterator[dict[str, tuple[
 
 def phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:
     """(last rank, receiver) per-phase median µs of the host codec's path,
-    hot, with a PhaseTimer on each path (see ppsync.bench.phases)."""
+    hot, with a PhaseTimer on each path (see ppsync.bench.phases), over
+    each path's quietest block of steps (see :func:`quiet_median`)."""
     config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
                               timeout_s=30.0, codec="host")
     out = []
@@ -180,10 +202,18 @@ def phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str
         finally:
             for t in timers:
                 t.remove()
-    warm = iters // 10
     for k in (0, 1):
-        out.append(phase_table(samples[k][warm:], np.array(totals[k][warm:], dtype=np.int64)))
+        start = _quietest_block(totals[k][iters // 10:]) + iters // 10
+        end = start + QUIET_BLOCK
+        out.append(phase_table(samples[k][start:end],
+                               np.array(totals[k][start:end], dtype=np.int64)))
     return out[0], out[1]
+
+
+def _quietest_block(ns: list[int], block: int = QUIET_BLOCK) -> int:
+    """Start of the block of ``ns`` with the smallest median (see quiet_median)."""
+    starts = range(0, max(1, len(ns) - block + 1), block)
+    return min(starts, key=lambda i: float(np.median(ns[i:i + block])))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,12 +30,10 @@ from ppsync.core.handler import TokenPath
 cpu_now = time.thread_time_ns
 
 _MODULE_PHASES = {
-    "validate_batch": "checks: validate_batch",
+    "batch_facts": "checks: batch, mask, slot_need",
     "check_sampled": "checks: sampler outputs",
     "check_step_drafts": "checks: drafts",
     "check_draft_target": "checks: draft target",
-    "need_sampled_mask": "mask",
-    "slot_need_words": "slot_need words",
     "release_host": "release copies",
 }
 _CODEC_PHASES = {

@@ -8,10 +8,10 @@ with simulated compute and D steps in flight; the headline). Each rank hands
 back raw perf_counter_ns samples; the parent turns them into a
 :class:`~ppsync.bench.model.BenchReport` (spans need every rank's
 timestamps: max(out) - min(in) per iteration), adds the hot own-CPU figure
-of the real token path (``codec_cpu.path_cpu``: a second spawn, a tight loop
-of publish / consume + post), the flight recorder's CPU (``bench.cpu``), the
-ratios and the targets (issue 13's). Benchmarks report
-figures; nothing here asserts a timing.
+of the real token path (``codec_cpu.path_cpu``: a last rank's and a
+receiver's path in one process, a tight loop of publish / consume + post),
+the flight recorder's CPU (``bench.cpu``), the ratios and the targets (issue
+13's). Benchmarks report figures; nothing here asserts a timing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ppsync.bench.codec_cpu import path_cpu
+from ppsync.bench.codec_cpu import hot_config, path_cpu
 from ppsync.bench.common import rank_ctx, world_barrier
 from ppsync.bench.cpu import recorder_cpu
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
@@ -79,8 +79,7 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     pipe = [r[1] for r in results]
     lockstep = _lockstep_stats(opts, lock)
     pipelined = _pipelined_stats(opts, pipe)
-    last_hot, recv_hot = path_cpu({"host": opts.sync_config(ring_depth=opts.pp_size)},
-                                  iters=2000)
+    last_hot, recv_hot = path_cpu({"host": hot_config(opts)}, iters=3000)
     rec = recorder_cpu(opts)
     pipe_cpu = [np.concatenate(r.series["ppsync_sync@dedicated"].cpu_ns) for r in pipe]
     cpu = CpuStats(

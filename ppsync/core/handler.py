@@ -59,7 +59,7 @@ from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, PreparedStep
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
-from ppsync.core.transport import Broadcaster, TransportClock, finished
+from ppsync.core.transport import Broadcaster, TransportClock, ended_ok, finished
 from ppsync.errors import (
     BatchError,
     ConfigError,
@@ -215,9 +215,13 @@ class TokenPath:
     def _prune(self) -> None:
         """Drop completed works; wait the oldest while more than D are held."""
         inflight = self._inflight
-        while inflight and (finished(inflight[0][1]) or len(inflight) > self.config.depth):
-            buf, work = inflight.popleft()
-            self._wait(work, "earlier transfer")
+        while inflight:
+            buf, work = inflight[0]
+            if not ended_ok(work):
+                if len(inflight) <= self.config.depth and not finished(work):
+                    break
+                self._wait(work, "earlier transfer")  # waits, or raises its failure
+            inflight.popleft()
             self.recorder.complete(work, self.steps)
             if self.device_steps is None:
                 self.codec.recycle(buf)
@@ -501,7 +505,8 @@ class TokenPath:
         if self.device_steps is not None:
             released = self._release_device(head, keep, table)
         else:
-            self._wait(head.work, f"receive of frame {head.frame.seq}")
+            if not ended_ok(head.work):
+                self._wait(head.work, f"receive of frame {head.frame.seq}")
             try:
                 released = release_host(self.codec, head, keep, kept, table, rank=self.rank)
             except DesyncError as e:

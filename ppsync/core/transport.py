@@ -101,6 +101,22 @@ def finished(work: dist.Work) -> bool:
     return done
 
 
+def ended_ok(work: dist.Work) -> bool:
+    """True when ``work`` has ended without an error, settled as
+    :func:`wait_work` would settle it (its future's ``wait``, which for device
+    tensors also orders the current stream after the transfer); False when
+    it has not ended, or failed: then :func:`wait_work` waits or raises.
+    One future read: the usual case of a wait on a transfer already done."""
+    fut = _future(work)
+    if fut is None or not fut.done():
+        return False
+    try:
+        fut.wait()
+    except RuntimeError:
+        return False
+    return True
+
+
 def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost.
     Never blocks once :func:`finished` says the work ended."""

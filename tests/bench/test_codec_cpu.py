@@ -1,5 +1,5 @@
 """``python -m ppsync.bench.codec_cpu``: the real token path's own CPU per
-step, and its per-phase split, on two local gloo ranks (a tiny run: the
+step, and its per-phase split, hot in one process (a tiny run: the
 figures are not checked, only that every phase of the real path is found
 and the table is printed)."""
 
@@ -16,6 +16,6 @@ def test_phase_split_names_every_phase_of_the_real_path(
 ) -> None:
     assert main(["--rows", "8", "--spec", "1", "--iters", "60", "--phases"]) == 0
     out = capsys.readouterr().out
-    for phase in ("checks: validate_batch", "checks: sampler outputs", "mask", "digest",
+    for phase in ("checks: batch, mask, slot_need", "checks: sampler outputs", "digest",
                   "pack", "consume: frame check", "release copies", "recorder", "total"):
         assert phase in out, out
