@@ -37,7 +37,7 @@ _MODULE_PHASES = {
     "release_host": "release copies",
 }
 _CODEC_PHASES = {
-    "idx_digest": "digest",
+    "facts_digest": "digest",
     "new_buffer": "buffer",
     "pack": "pack",
     "check": "consume: frame check",

@@ -141,7 +141,12 @@ def check_sampled(
             bad = (ns_np < 0) | (ns_np > w)
             rule = f"outside [0, w = {w}] (the sample width sent)"
             raise _first_bad("num_sampled", ns_np, bad, rule)
-        if out_of_range(nr_np, num_drafts + 1):
+        if num_drafts == 0:
+            if np.count_nonzero(nr_np):  # every entry must be 0 (any() is 4x slower)
+                bad = nr_np != 0
+                raise _first_bad("num_rejected", nr_np, bad,
+                                 "outside [0, K = 0] (num_speculative_steps)")
+        elif out_of_range(nr_np, num_drafts + 1):
             bad = (nr_np < 0) | (nr_np > num_drafts)
             raise _first_bad(
                 "num_rejected", nr_np, bad, f"outside [0, K = {num_drafts}] (num_speculative_steps)"

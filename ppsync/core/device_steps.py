@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchFacts, BatchView
+from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_sampled_meta, check_step_drafts_meta
 from ppsync.core.device_codec import (
     V_DRAFTS,
@@ -43,6 +43,7 @@ from ppsync.core.device_codec import (
     V_NUM_SAMPLED,
     DeviceFrameCodec,
 )
+from ppsync.core.facts import BatchFacts
 from ppsync.core.frame import _H_FLAGS, HEADER_WORDS, FrameView, drafts_desync
 from ppsync.core.platform import Platform, StepEvent
 from ppsync.core.released import ReleasedStep

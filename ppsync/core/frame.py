@@ -76,6 +76,10 @@ class FrameView:
     """The step's sample width w, 1 <= w <= L, for engines whose width varies
     per step (vLLM 0.33: 1 without drafts); None = L. The header carries it,
     so a receiver that disagrees gets a DesyncError, never cut tokens."""
+    facts_np: np.ndarray | None = None
+    """[2, num_reqs] int64, rows slot_need_np then computed_np, when the two
+    are rows of one array (the token path's): written and compared as the
+    frame's last two columns in one numpy call each instead of two."""
 
     def width(self, codec: FrameCodec) -> int:
         return codec.sample_width if self.sample_width is None else self.sample_width
@@ -106,11 +110,10 @@ class FrameCodec:
         self.exact = config.wire == "exact"
         self._payload_w = _weights(self.max_num_reqs * self.row_width, salt=1)
         self._header_w = _weights(HEADER_WORDS, salt=1 << 40)
-        self._idx_w = _weights(self.max_num_reqs, salt=1 << 50)
-        self._computed_w = _weights(self.max_num_reqs, salt=1 << 55)
+        self._facts_w = _weights(2 * self.max_num_reqs, salt=1 << 57)
         with np.errstate(over="ignore"):
-            # digest of idx + 1 = digest of idx + sum of the weights: no per-step add
-            self._idx_w_sums = np.concatenate(([0], np.cumsum(self._idx_w)))
+            # digest of facts + 1 = digest of facts + sum of the weights: no per-step add
+            self._facts_w_sums = np.concatenate(([0], np.cumsum(self._facts_w)))
         # header (checksum word weighted 0) and payload weights in one vector,
         # so the checksum is one dot product over the frame's used prefix; it
         # equals the header's dot plus the payload's (the device codec's sum)
@@ -138,21 +141,18 @@ class FrameCodec:
         if not self.exact and len(self._free) < 8:
             self._free.append(buf)
 
-    def idx_digest(
-        self, idx_mapping_np: np.ndarray, num_computed_tokens_np: np.ndarray | None = None
-    ) -> int:
-        """Digest of a step's idx_mapping and, when given, num_computed_tokens;
-        equal views give equal digests. The computed counts advance every step,
-        so a rank one step behind differs even when the request slots do not."""
-        n = idx_mapping_np.shape[0]
-        # sum((idx + 1) * w) = idx . w + sum(w): no temporary idx + 1. Array dots
-        # wrap silently; the scalar sums are Python ints, wrapped to int64 here
-        # (no np.errstate: entering it costs about as much as a dot)
-        digest = (int(np.dot(idx_mapping_np.astype(np.int64, copy=False), self._idx_w[:n]))
-                  + int(self._idx_w_sums[n]))
-        if num_computed_tokens_np is not None:
-            digest += int(np.dot(num_computed_tokens_np.astype(np.int64, copy=False),
-                                 self._computed_w[:n]))
+    def facts_digest(self, facts_np: np.ndarray) -> int:
+        """Digest of a step's row facts, [2, num_reqs] int64 (slot_need then
+        num_computed_tokens, see ppsync.core.facts): the token path's
+        idx_digest, in one dot product. It covers each row's request slot,
+        need bit and computed count, so views that differ in any give
+        different digests (the rows themselves are then compared to name the
+        row)."""
+        flat = facts_np.reshape(-1)
+        n = flat.shape[0]
+        # sum((f + 1) * w) = f . w + sum(w): a row of zeros still counts. The
+        # dot wraps silently; the sum is a Python int, wrapped to int64 here
+        digest = int(np.dot(flat, self._facts_w[:n])) + int(self._facts_w_sums[n])
         return (digest + (1 << 63)) % (1 << 64) - (1 << 63)
 
     def rows(self, buf_np: np.ndarray, num_reqs: int) -> np.ndarray:
@@ -192,8 +192,11 @@ class FrameCodec:
             else:
                 rows[:, self.col_drafts : self.col_slot_need] = drafts_np
                 flags |= FLAG_HAS_DRAFTS
-        rows[:, self.col_slot_need] = 0 if view.slot_need_np is None else view.slot_need_np
-        rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
+        if view.facts_np is not None:
+            rows[:, self.col_slot_need:] = view.facts_np.T
+        else:
+            rows[:, self.col_slot_need] = 0 if view.slot_need_np is None else view.slot_need_np
+            rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
         buf_np[:_H_CSUM] = (
             _MAGIC | FRAME_FORMAT_VERSION, view.seq, n, view.width(self), self.num_drafts, flags,
             view.idx_digest,
@@ -249,6 +252,9 @@ class FrameCodec:
         if view.slot_need_np is None or view.computed_np is None:
             return
         rows = self.rows(buf_np, view.num_reqs)
+        if view.facts_np is not None and not (
+                rows[:, self.col_slot_need:] != view.facts_np.T).any():
+            return  # the usual case, in two numpy calls
         theirs_sn, theirs_c = rows[:, self.col_slot_need], rows[:, self.col_computed]
         differs = (theirs_sn != view.slot_need_np) | (theirs_c != view.computed_np)
         if not differs.any():

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchFacts, BatchView, batch_facts
+from ppsync.core.batch import BatchView
 from ppsync.core.checks import (
     check_draft_target,
     check_drafts_array,
@@ -46,6 +46,7 @@ from ppsync.core.checks import (
 )
 from ppsync.core.device_steps import DeviceSteps, prepare_device_step
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
+from ppsync.core.facts import BatchFacts, batch_facts
 from ppsync.core.failures import named_failure, wait_bounded
 from ppsync.core.frame import FrameCodec, FrameView, check_sample_width
 from ppsync.core.generations import GenerationTable
@@ -392,9 +393,9 @@ class TokenPath:
 
     def _frame_view(self, facts: BatchFacts, sample_width: int | None) -> FrameView:
         """This rank's view of the frame it issues next."""
-        return FrameView(self.seq, facts.need.shape[0],
-                         self.codec.idx_digest(facts.idx, facts.computed), facts.slot_need,
-                         facts.computed, sample_width)
+        row_facts = facts.row_facts
+        return FrameView(self.seq, facts.need.shape[0], self.codec.facts_digest(row_facts),
+                         facts.slot_need, facts.computed, sample_width, row_facts)
 
     # -- receivers --------------------------------------------------------
 

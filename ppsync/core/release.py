@@ -41,11 +41,13 @@ def release_host(codec: FrameCodec, head: PendingStep, keep: np.ndarray, kept: i
                 scatter_rows(table, head.idx_np, drafts_np)
             else:
                 scatter_rows(table, head.idx_np[keep], drafts_np[keep])
+    # both counts in one call: [2, num_reqs] int32, each row contiguous
+    counts = np.array(rows[:, L:L + 2].T, dtype=np.int32, order="C")
     return ReleasedStep(
         seq=head.frame.seq,
         sampled_tokens=torch.from_numpy(rows[:, :w].copy()),
-        num_sampled=torch.from_numpy(rows[:, L].astype(np.int32)),
-        num_rejected=torch.from_numpy(rows[:, L + 1].astype(np.int32)),
+        num_sampled=torch.from_numpy(counts[0]),
+        num_rejected=torch.from_numpy(counts[1]),
         idx_mapping=torch.from_numpy(idx_out),
         draft_tokens=drafts,
         kept_np=keep,

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchFacts, BatchView
+from ppsync.core.batch import BatchView
+from ppsync.core.facts import BatchFacts
 from ppsync.core.frame import FrameView
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FRAME_FORMAT_VERSION = 2
+FRAME_FORMAT_VERSION = 3
 
 FLAG_HAS_DRAFTS = 1
 """The frame's draft columns hold this step's drafts."""

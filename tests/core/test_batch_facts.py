@@ -11,7 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ppsync.core.batch import BatchView, batch_facts, validate_batch
+from ppsync.core.batch import BatchView, validate_batch
+from ppsync.core.facts import batch_facts
 from ppsync.core.frame import slot_need_words
 from ppsync.core.mask import need_sampled_mask
 from ppsync.errors import BatchError

@@ -38,7 +38,8 @@ def _step(k: int, n: int, w: int, seed: int) -> tuple[FrameView, np.ndarray, np.
     ns = rng.integers(0, w + 1, n).astype(np.int32)
     nr = rng.integers(0, k + 1, n).astype(np.int32)
     codec = FrameCodec(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
-    view = FrameView(7, n, codec.idx_digest(idx, computed), slot_need_words(idx, need),
+    facts = np.stack([slot_need_words(idx, need), computed.astype(np.int64)])
+    view = FrameView(7, n, codec.facts_digest(facts), slot_need_words(idx, need),
                      computed, None if w == k + 1 else w)
     return view, tokens, ns, nr, rng.integers(0, 1 << 62, (n, k)).astype(np.int64)
 

@@ -33,6 +33,14 @@ class Step:
     drafts_np: np.ndarray | None  # [num_reqs, K] int64
 
 
+def _facts(idx: np.ndarray, need: np.ndarray | None = None,
+           computed: np.ndarray | None = None) -> np.ndarray:
+    """[2, n] row facts (slot_need, computed) as the token path builds them."""
+    need = np.ones(idx.shape[0], dtype=bool) if need is None else need
+    computed = np.zeros(idx.shape[0], dtype=np.int64) if computed is None else computed
+    return np.stack([slot_need_words(idx, need), computed.astype(np.int64)])
+
+
 def _step(
     codec: FrameCodec, *, seq: int = 0, num_reqs: int = 3, w: int | None = None,
     drafts: bool = True, seed: int = 0,
@@ -44,8 +52,8 @@ def _step(
     need = rng.random(num_reqs) < 0.8
     computed = rng.integers(0, 4096, num_reqs, dtype=np.int64)
     return Step(
-        view=FrameView(seq, num_reqs, codec.idx_digest(idx), slot_need_words(idx, need),
-                       computed),
+        view=FrameView(seq, num_reqs, codec.facts_digest(_facts(idx, need, computed)),
+                       slot_need_words(idx, need), computed),
         idx_np=idx,
         tokens_np=rng.integers(0, 150_000, (num_reqs, w), dtype=np.int64),
         num_sampled_np=rng.integers(0, w + 1, num_reqs).astype(np.int32),
@@ -113,7 +121,7 @@ def test_round_trip(k: int, wire: WireMode) -> None:
     assert head["sample_width"] == L
     assert head["num_drafts"] == k
     assert head["flags"] == expected_flags
-    assert head["idx_digest"] == codec.idx_digest(step.idx_np)
+    assert head["idx_digest"] == step.view.idx_digest
 
 
 @pytest.mark.parametrize("w", [1, 2, 3])
@@ -225,7 +233,7 @@ def test_wrong_idx_digest_shows_both_views() -> None:
     codec = _codec(2)
     step = _step(codec, num_reqs=3)
     buf_np = _pack(codec, step)
-    other = codec.idx_digest(step.idx_np[::-1].copy())
+    other = codec.facts_digest(_facts(step.idx_np[::-1].copy()))
     mine = FrameView(step.view.seq, 3, other)
     err = _desync(
         codec, buf_np, mine, rf"idx_digest: mine {other} vs sender {step.view.idx_digest}"
@@ -361,29 +369,36 @@ def test_computed_disagreement_names_row() -> None:
 # -- idx digest ------------------------------------------------------------------
 
 
-def test_idx_digest_is_deterministic_across_codecs() -> None:
-    idx = np.array([4, 0, 2], dtype=np.int64)
-    assert _codec(0).idx_digest(idx) == _codec(3, "exact").idx_digest(idx)
-    assert _codec(0).idx_digest(idx) == _codec(0).idx_digest(idx.astype(np.int32))
+def test_digest_is_deterministic_across_codecs() -> None:
+    facts = _facts(np.array([4, 0, 2], dtype=np.int64), computed=np.array([7, 0, 9]))
+    assert _codec(0).facts_digest(facts) == _codec(3, "exact").facts_digest(facts)
 
 
-def test_idx_digest_differs_for_permuted_idx_mapping() -> None:
+def test_digest_differs_for_permuted_idx_mapping() -> None:
     codec = _codec()
     idx = np.array([4, 0, 2, 5], dtype=np.int64)
-    digests = {codec.idx_digest(idx)}
+    digests = {codec.facts_digest(_facts(idx))}
     rng = np.random.default_rng(7)
     perms = {tuple(int(x) for x in rng.permutation(idx)) for _ in range(40)}
     perms.discard(tuple(int(x) for x in idx))
     for perm in perms:
-        digests.add(codec.idx_digest(np.array(perm, dtype=np.int64)))
+        digests.add(codec.facts_digest(_facts(np.array(perm, dtype=np.int64))))
     assert len(digests) == len(perms) + 1
 
 
-def test_idx_digest_tells_apart_prefixes_and_zero_slots() -> None:
+def test_digest_tells_apart_prefixes_zero_slots_need_bits_and_counts() -> None:
     codec = _codec()
-    assert codec.idx_digest(np.array([0])) != codec.idx_digest(np.array([], dtype=np.int64))
-    assert codec.idx_digest(np.array([0, 1])) != codec.idx_digest(np.array([0]))
-    assert codec.idx_digest(np.array([1, 2])) != codec.idx_digest(np.array([1, 3]))
+
+    def d(idx: list[int], need: list[bool] | None = None, computed: list[int] | None = None
+          ) -> int:
+        return codec.facts_digest(_facts(
+            np.array(idx, dtype=np.int64), None if need is None else np.array(need),
+            None if computed is None else np.array(computed, dtype=np.int64)))
+    assert d([0], [False]) != d([])
+    assert d([0, 1]) != d([0])
+    assert d([1, 2]) != d([1, 3])
+    assert d([1, 2], [True, True]) != d([1, 2], [True, False])
+    assert d([1, 2], computed=[5, 6]) != d([1, 2], computed=[5, 7])
 
 
 def _wrap64(x: int) -> int:
@@ -392,8 +407,8 @@ def _wrap64(x: int) -> int:
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_checksum_and_digest_are_the_documented_weighted_sums(k: int) -> None:
-    """The folded forms (one dot over header + payload; idx . w + sum(w) for
-    the digest) give the documented sums exactly, wrapped to int64, at any
+    """The folded forms (one dot over header + payload; facts . w + sum(w)
+    for the digest) give the documented sums exactly, wrapped to int64, at any
     num_reqs and with words anywhere in int64 (Python-int reference)."""
     codec = _codec(k)
     rng = np.random.default_rng(k)
@@ -404,9 +419,7 @@ def test_checksum_and_digest_are_the_documented_weighted_sums(k: int) -> None:
             buf[HEADER_WORDS:HEADER_WORDS + m], codec._payload_w[:m], strict=True))
         want += sum(int(a) * int(b) for a, b in zip(buf[:7], codec._header_w[:7], strict=True))
         assert codec._checksum(buf, n) == _wrap64(want)
-        idx = rng.permutation(MAX_NUM_REQS)[:n]
-        computed = rng.integers(0, 1 << 62, size=n)
-        digest = sum((int(i) + 1) * int(w) for i, w in zip(idx, codec._idx_w, strict=False))
-        assert codec.idx_digest(idx) == _wrap64(digest)
-        digest += sum(int(c) * int(w) for c, w in zip(computed, codec._computed_w, strict=False))
-        assert codec.idx_digest(idx.astype(np.int32), computed) == _wrap64(digest)
+        facts = rng.integers(-(1 << 63), (1 << 63) - 1, size=(2, n), dtype=np.int64)
+        digest = sum((int(f) + 1) * int(w)
+                     for f, w in zip(facts.reshape(-1), codec._facts_w, strict=False))
+        assert codec.facts_digest(facts) == _wrap64(digest)

@@ -70,7 +70,8 @@ from fault_fuzz_inputs import Bad, collect, int_tensor, replace_field, uniform
 from fault_tools import watchdog
 from hypothesis import strategies as st
 
-from ppsync.core.batch import BatchView, batch_facts
+from ppsync.core.batch import BatchView
+from ppsync.core.facts import batch_facts
 from ppsync.core.groups import token_group
 from ppsync.core.handler import TokenPath
 from ppsync.core.steps import PreparedStep
