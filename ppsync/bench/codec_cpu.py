@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -43,6 +45,7 @@ from ppsync.core.transport import TransportClock
 from ppsync.schemas.config import CodecName, SyncConfig
 
 CODECS: tuple[CodecName, ...] = ("host", "device")
+T = TypeVar("T")
 
 
 def gloo_pair(timeout_s: float = 30.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -138,8 +141,23 @@ def hot_config(opts: BenchOptions) -> SyncConfig:
                             num_speculative_steps=opts.spec, timeout_s=opts.timeout_s)
 
 
+def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300.0) -> T:
+    """``fn(*args)`` in a new interpreter (multiprocessing's spawn): the gloo
+    pair's threads then never live in a process that later forks rank
+    processes (a forked child inherits gloo's objects without their threads)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout_s)
+
+
 def path_cpu(configs: dict[str, SyncConfig], iters: int
              ) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`hot_path_cpu` in a fresh process."""
+    return in_fresh_process(hot_path_cpu, configs, iters)
+
+
+def hot_path_cpu(configs: dict[str, SyncConfig], iters: int
+                 ) -> tuple[dict[str, float], dict[str, float]]:
     """(last rank, receiver) own CPU µs per step of real token paths, one
     pair per entry of ``configs`` (pp_size 2), hot: a tight loop in one
     process; each figure is :func:`quiet_median` of the steps after a
@@ -178,6 +196,11 @@ def _pairs(configs: dict[str, SyncConfig]) -> Iterator[dict[str, tuple[
 
 
 def phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`hot_phases` in a fresh process."""
+    return in_fresh_process(hot_phases, rows, spec, iters)
+
+
+def hot_phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:
     """(last rank, receiver) per-phase median µs of the host codec's path,
     hot, with a PhaseTimer on each path (see ppsync.bench.phases), over
     each path's quietest block of steps (see :func:`quiet_median`)."""

@@ -10,7 +10,7 @@ from typing import TypeVar, cast
 import numpy as np
 import torch
 
-from ppsync.core.batch import batch_view_of, check_view_shapes
+from ppsync.core.batch import batch_view_of, validate_batch
 from ppsync.core.steps import PreparedStep
 from ppsync.errors import BatchError, ProtocolError
 
@@ -65,11 +65,12 @@ def step_width(input_batch: object, sample_width: int) -> int:
 
 
 def check_held_batch(held: PreparedStep, input_batch: object, max_num_reqs: int) -> None:
-    """Interface 0.32's broadcast_drafts names broadcast()'s batch: the same
-    num_reqs and idx_mapping (broadcast() checked that batch in full; what is
-    sent is the held step's own copy of its facts)."""
+    """Interface 0.32's broadcast_drafts names broadcast()'s batch: a valid
+    batch (it is a new argument: checked again, as every input is) with the
+    same num_reqs and idx_mapping. What is sent is the held step's own copy
+    of its facts."""
     view = batch_view_of(input_batch)
-    check_view_shapes(view, max_num_reqs)
+    validate_batch(view, max_num_reqs)
     idx_np = held.facts.idx
     if view.num_reqs != held.view.num_reqs:
         raise BatchError(
