@@ -78,12 +78,19 @@ def batch_facts(view: BatchView, max_num_reqs: int) -> BatchFacts:
         if n:
             u = block.view(_U64)  # a negative entry reads as >= 2**63
             idx_u, counts_u = u[0], u[1:].reshape(-1)
+            # a[a.argmax()]: numpy's leanest max here (~0.4 µs against ~1.3)
             if (idx_u[idx_u.argmax()] >= max_num_reqs
                     or counts_u[counts_u.argmax()] >= COUNT_LIMIT
-                    or (n > 1 and np.bincount(block[0], minlength=max_num_reqs).max() > 1)):
+                    or (n > 1 and _seen_twice(block[0], max_num_reqs))):
                 validate_batch(view, max_num_reqs)  # raises, naming the field and row
         need = np.add(block[1], block[2]) >= block[3]  # counts < 2**62: no wrap
     slot_need = block[1]
     np.multiply(block[0], 2, out=slot_need)
     slot_need += need
     return BatchFacts(block[:3], need, int(np.count_nonzero(need)))
+
+
+def _seen_twice(idx: np.ndarray, max_num_reqs: int) -> bool:
+    """Whether some slot index occurs twice in ``idx`` (all in [0, max_num_reqs))."""
+    seen = np.bincount(idx, minlength=max_num_reqs)
+    return bool(seen[seen.argmax()] > 1)
