@@ -126,8 +126,28 @@ def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None
         raise BatchError(f"{name}.dtype = {a.dtype} must be an integer dtype")
 
 
+def _plain_shapes_ok(view: object, max_num_reqs: int) -> bool:
+    """The usual view in one pass of exact type tests: a BatchView with an
+    int num_reqs in range, its four arrays numpy integer arrays of shape
+    (num_reqs,), no optional arrays. False: let the rules below decide."""
+    if type(view) is not BatchView:
+        return False
+    n = view.num_reqs
+    if type(n) is not int or not 0 <= n <= max_num_reqs or (
+            view.max_seq_len_np is not None or view.is_prefilling_np is not None):
+        return False
+    shape = (n,)
+    for a in (view.idx_mapping_np, view.num_computed_tokens_np,
+              view.num_scheduled_tokens_np, view.prefill_len_np):
+        if type(a) is not np.ndarray or a.shape != shape or a.dtype.kind not in "iu":
+            return False
+    return True
+
+
 def check_view_shapes(view: BatchView, max_num_reqs: int) -> None:
     """validate_batch's type, dtype and shape rules alone (no value read)."""
+    if _plain_shapes_ok(view, max_num_reqs):
+        return
     if not isinstance(view, BatchView):
         raise BatchError(f"view must be a BatchView, got {type(view).__name__}")
     n = view.num_reqs

@@ -31,6 +31,10 @@ def _tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) ->
 def _host(
     name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = _INT_DTYPES
 ) -> np.ndarray:
+    if type(t) is torch.Tensor and t.dtype in dtypes and t.is_cpu and not t.requires_grad:
+        a: np.ndarray = t.numpy()  # the usual tensor: shares memory
+        if a.ndim == ndim:
+            return a
     t = _tensor(name, t, ndim, dtypes)
     if t.is_cpu and not t.requires_grad:
         return t.numpy()  # shares memory; half the cost of detach().cpu().numpy()

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # read-only by convention: frozen costs ~1 µs per step
 class ReleasedStep:
     """Step ``seq``'s outputs, D steps after its receive was posted.
 
