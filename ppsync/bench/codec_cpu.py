@@ -30,7 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TypeVar, cast
 
 import numpy as np
@@ -181,18 +181,12 @@ def _pairs(configs: dict[str, SyncConfig]) -> Iterator[dict[str, tuple[
     """A path pair per config, with its fixed step's calls."""
     opened: dict[str, tuple[TokenPath, TokenPath, Callable[[], object],
                             Callable[[], object]]] = {}
-    managers = []
-    try:
+    with ExitStack() as stack:
         for name, config in configs.items():
-            cm = path_pair(config)
-            last, receiver = cm.__enter__()
-            managers.append(cm)
+            last, receiver = stack.enter_context(path_pair(config))
             step = fixed_step(config.max_num_reqs, config.num_speculative_steps)
             opened[name] = (last, receiver, *_step_calls(last, receiver, step))
         yield opened
-    finally:
-        for cm in reversed(managers):
-            cm.__exit__(None, None, None)
 
 
 def phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -207,4 +207,3 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
             if bad.any():
                 row = int(np.argmax(bad))
                 raise BatchError(f"{name}[{row}] = {int(a[row])} outside [0, 2**62)")
-

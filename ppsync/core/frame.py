@@ -59,7 +59,7 @@ def _weights(n: int, salt: int) -> np.ndarray:
 
 def slot_need_words(idx_np: np.ndarray, need_np: np.ndarray) -> np.ndarray:
     """[num_reqs] int64: ``2 * idx + need`` per row (the frame's slot_need column)."""
-    words: np.ndarray = idx_np.astype(np.int64)  # a fresh array: the frame keeps it
+    words: np.ndarray = idx_np.astype(np.int64)  # a fresh array
     words *= 2
     words += need_np
     return words
@@ -245,7 +245,8 @@ class FrameCodec:
         self._check_rows(buf_np, view, rank)
         if head[_H_DIGEST] != view.idx_digest:
             self._raise_header(buf_np, view, rank)
-        return int(head[_H_FLAGS])  # an int already (tolist)
+        flags: int = head[_H_FLAGS]  # an int already (tolist)
+        return flags
 
     def _check_rows(self, buf_np: np.ndarray, view: FrameView, rank: int) -> None:
         """Raise DesyncError naming the first row whose facts (request slot,

@@ -47,7 +47,7 @@ def group_facts(group: dist.ProcessGroup) -> tuple[int, int, list[int], str]:
     """(rank, size, global ranks, backend name) of ``group``, read from the
     group object itself. A group registered with torch.distributed gives its
     global ranks; an unregistered one (a gloo backend made directly, e.g.
-    two ranks of one process in ``ppsync.bench.hot``) numbers its ranks
+    two ranks of one process in ``ppsync.bench.codec_cpu``) numbers its ranks
     0..size-1, which is all the token path needs them for (messages, dumps)."""
     rank, size = group.rank(), group.size()
     try:

@@ -27,8 +27,8 @@ def release_host(codec: FrameCodec, head: PendingStep, keep: np.ndarray, kept: i
                             codec.header_dict(buf_np))
     L = codec.sample_width
     w = head.frame.width(codec)
-    rows = codec.rows(buf_np, head.frame.num_reqs)
     n = head.frame.num_reqs
+    rows = codec.rows(buf_np, n)
     # every row kept (the usual step): the posted step's idx copy, which
     # nothing else holds once the step is released, is handed out as it is
     idx_out = head.idx_np if kept == n else np.where(keep, head.idx_np, -1)

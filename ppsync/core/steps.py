@@ -57,12 +57,3 @@ class PreparedStep:
     sample_width: int | None = None  # the step's width w in the header; None = L
     outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The device codec's unread (tokens, num_sampled, num_rejected)."""
-
-    @property
-    def need_np(self) -> np.ndarray:
-        """[num_reqs] bool: rows that produce a sample."""
-        return self.facts.need
-
-    @property
-    def num_needed(self) -> int:
-        return self.facts.needed

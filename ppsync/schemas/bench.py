@@ -139,12 +139,14 @@ class CpuStats(BaseModel):
     receiver_pipelined_p50_us: float
     """A receiver, ppsync_sync in the pipelined loop: consume() + post()."""
     last_micro_p50_us: float
-    """Hot loop on the real TokenPath (host codec, pp_size local gloo ranks,
-    no compute between steps): publish() CPU time minus the issue and waits
-    (the figure the target is checked against: the code's own cost)."""
+    """Hot loop on the real TokenPath (host codec; a last rank's and a
+    receiver's path in one process, frames over a loopback, no compute
+    between steps): publish() CPU time minus the issue and waits, the median
+    of the quietest block of steps (the figure the target is checked
+    against: the code's own cost)."""
     receiver_micro_p50_us: float
-    """The same hot loop, the slowest receiver: consume() + post() CPU time
-    minus the issue and waits."""
+    """The same hot loop, the receiver: consume() + post() CPU time minus
+    the issue and waits."""
     recorder_last_us: float = 0.0
     """Single process: the flight recorder's calls per last-rank step
     (issue + complete), recorder on (SyncConfig's default flight_events)."""

@@ -69,9 +69,6 @@ def inline_wait(flag: threading.Event, bound_s: float) -> bool:
     can count the calls and check their bounds."""
     return flag.wait(bound_s)
 
-
-"""Longest the exit hook waits for works that still carry a callback."""
-
 _with_callback: dict[int, dist.Work] = {}  # id -> work given a done-callback, not seen done
 
 
