@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ppsync.core.batch import BatchView
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.harness.driver import StepLoop, outputs
 from ppsync.services.runtime import Rank
 

@@ -40,7 +40,7 @@ from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.model import BenchOptions, pct_us
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
 from ppsync.schemas.config import CodecName, SyncConfig
 
@@ -204,21 +204,17 @@ def hot_phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict
     with path_pair(config) as (last, receiver):
         calls = _step_calls(last, receiver, fixed_step(rows, spec))
         timers = [PhaseTimer(last), PhaseTimer(receiver)]
-        try:
-            samples: list[list[dict[str, int]]] = [[], []]
-            totals: list[list[int]] = [[], []]
-            for _ in range(iters):
-                for k in (0, 1):
-                    timers[k].reset()
-                    t0 = cpu_now()
-                    calls[k]()
-                    spent = cpu_now() - t0
-                    ns = timers[k].ns
-                    totals[k].append(spent - ns.get("issue", 0) - ns.get("wait", 0))
-                    samples[k].append(dict(ns))
-        finally:
-            for t in timers:
-                t.remove()
+        samples: list[list[dict[str, int]]] = [[], []]
+        totals: list[list[int]] = [[], []]
+        for _ in range(iters):
+            for k in (0, 1):
+                timers[k].reset()
+                t0 = cpu_now()
+                calls[k]()
+                spent = cpu_now() - t0
+                ns = timers[k].ns
+                totals[k].append(spent - ns.get("issue", 0) - ns.get("wait", 0))
+                samples[k].append(dict(ns))
     for k in (0, 1):
         start = _quietest_block(totals[k][iters // 10:]) + iters // 10
         end = start + QUIET_BLOCK

@@ -2,9 +2,8 @@
 
 ppsync's own CPU per step on the whole path is measured on the real
 TokenPath (ppsync.bench.codec_cpu.path_cpu; ``python -m
-ppsync.bench.codec_cpu --phases`` splits it by phase); an earlier
-hand-written copy of the path's steps here was removed, since a copy drifts
-from the code it claims to measure.
+ppsync.bench.codec_cpu --phases`` splits it by phase), never on a copy of
+the path's steps, which would drift from the code it claims to measure.
 """
 
 from __future__ import annotations

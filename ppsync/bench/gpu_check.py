@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import BatchError
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -167,7 +167,7 @@ def _timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
     ns = torch.full((rows,), L, dtype=torch.int32, device=dev)
     nr = torch.zeros(rows, dtype=torch.int32, device=dev)
     drafts = torch.randint(0, 1 << 20, (rows, K), device=dev)
-    raw = torch.zeros(path.codec.words(rows), dtype=torch.int64, device=dev)
+    raw = torch.zeros(path.codec.frames.words(rows), dtype=torch.int64, device=dev)
     counts = torch.zeros(2 * rows, dtype=torch.int32, device=dev)
 
     def fused() -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import anyio
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ppsync.bench.common import (
@@ -45,8 +46,9 @@ from ppsync.bench.common import (
     world_start,
 )
 from ppsync.bench.model import overdue_within
-from ppsync.core.frame import FrameCodec, FrameView
-from ppsync.core.handler import TokenPath
+from ppsync.core.frame import FrameView
+from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import PPSyncError
 from ppsync.services.completion import completed
@@ -86,7 +88,7 @@ class _Lockstep:
         self.clock = clock
         self.config = o.sync_config(ring_depth=1)
         codec = FrameCodec(self.config)
-        self.frame = codec.new_buffer(o.rows)  # [words] int64
+        self.frame = torch.zeros(codec.words(o.rows), dtype=torch.int64)  # [words]
         if ctx.is_last:  # a real frame, though a raw broadcast never looks
             s = ctx.step
             codec.pack(self.frame.numpy(), FrameView(0, o.rows, 0), s.tokens.numpy(),
@@ -129,8 +131,9 @@ class _Lockstep:
         if self.ctx.is_last:
             path.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
             cpu = cpu_now() - t0 - (self.clock.total() - c0)
-            assert path.last_issue is not None
-            wait_work(path.last_issue[2], timeout_s=self.config.timeout_s,
+            issued = path.last_issued()
+            assert issued is not None
+            wait_work(issued[1], timeout_s=self.config.timeout_s,
                       what=self._what("c send"), peer=None)
             return cpu
         path.post(s.view)
@@ -143,9 +146,9 @@ class _Lockstep:
         s = self.ctx.step
         if self.ctx.is_last:
             await rank.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
-            issue = rank.path.last_issue
-            assert issue is not None
-            await completed(issue[2], timeout_s=self.config.timeout_s,
+            issued = rank.path.last_issued()
+            assert issued is not None
+            await completed(issued[1], timeout_s=self.config.timeout_s,
                             what=self._what("d send"), peer=None)
             return
         await rank.post(s.view)

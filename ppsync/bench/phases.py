@@ -1,19 +1,19 @@
 """Where a real token path's own CPU goes, phase by phase.
 
-:class:`PhaseTimer` wraps the functions a live :class:`TokenPath` calls (the
-names the handler module imported, the path's codec, recorder and its own
-issue / wait / release methods) with timers, so every figure comes from the
-real code with the path's own inputs; nothing is a copy of the path's steps.
-Times are this thread's CPU time (``time.thread_time_ns``), exclusive of the
-wrapped calls nested inside (``release`` excludes ``codec.check``, ...).
-"other" is the step's total less every phase: the path's own glue (role and
-ring bookkeeping, the idx_mapping copy, the FrameView).
+:class:`PhaseTimer` wraps the objects a live :class:`TokenPath` calls (its
+codec and the codec's frames and buffers, its recorder, its waits, and its
+own batch-facts and issue methods) with timers, so every figure comes from
+the real code with the path's own inputs; nothing is a copy of the path's
+steps, and no module's globals are touched. Times are this thread's CPU
+time (``time.thread_time_ns``), exclusive of the wrapped calls nested inside
+(``release`` excludes ``frames.check``, ...). "other" is the step's total
+less every phase: the path's own glue (role and ring bookkeeping, the
+FrameView).
 
-Each timed call adds two clock reads (~0.1-0.3 µs each, measured by
+Each timed call adds two clock reads (measured by
 :func:`clock_overhead_ns`), so the phases of a timed step sum to more than
 an untimed step takes; the untimed total is the figure to compare with.
-Bench-only: the wrappers patch the handler module's globals while installed
-and :meth:`PhaseTimer.remove` puts them back.
+Bench-only: the wrappers are instance attributes of one path's objects.
 """
 
 from __future__ import annotations
@@ -24,26 +24,21 @@ from typing import Any
 
 import numpy as np
 
-import ppsync.core.handler as handler_mod
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 
 cpu_now = time.thread_time_ns
 
-_MODULE_PHASES = {
-    "batch_facts": "checks: batch, mask, slot_need",
-    "check_sampled": "checks: sampler outputs",
-    "check_step_drafts": "checks: drafts",
-    "check_draft_target": "checks: draft target",
-    "release_host": "release copies",
-}
 _CODEC_PHASES = {
+    "prepare": "checks: sampler outputs",
+    "release": "release copies",
+}
+_FRAMES_PHASES = {
     "facts_digest": "digest",
-    "new_buffer": "buffer",
     "pack": "pack",
     "check": "consume: frame check",
-    "recycle": "buffer",
 }
-_PATH_PHASES = {"_issue": "issue", "_wait": "wait"}
+_BUFFER_PHASES = {"take": "buffer", "give": "buffer"}
+_PATH_PHASES = {"_batch_facts": "checks: batch, mask, slot_need", "_issue": "issue"}
 EXCLUDED = ("issue", "wait")
 """Phases that are not the path's own work (the collective, its waits)."""
 
@@ -63,17 +58,16 @@ class PhaseTimer:
         self.path = path
         self.ns: dict[str, int] = {}
         self._child: list[int] = []  # per open call: ns spent in nested timed calls
-        self._saved: dict[str, Any] = {}
-        for name, phase in _MODULE_PHASES.items():
-            self._saved[name] = getattr(handler_mod, name)
-            setattr(handler_mod, name, self._wrap(phase, self._saved[name]))
-        for name, phase in _CODEC_PHASES.items():
-            setattr(path.codec, name, self._wrap(phase, getattr(path.codec, name)))
-        for name, phase in _PATH_PHASES.items():
-            setattr(path, name, self._wrap(phase, getattr(path, name)))
-        rec = path.recorder
-        for name in ("issue", "consume", "complete", "call"):
-            setattr(rec, name, self._wrap("recorder", getattr(rec, name)))
+        codec = path.codec
+        targets: list[tuple[object, dict[str, str]]] = [
+            (codec, _CODEC_PHASES), (codec.frames, _FRAMES_PHASES), (path, _PATH_PHASES),
+            (path._waits, {"wait": "wait"}),
+            (path.recorder, dict.fromkeys(("issue", "consume", "complete", "call"), "recorder")),
+            (codec.buffers, _BUFFER_PHASES),
+        ]
+        for obj, phases in targets:
+            for name, phase in phases.items():
+                setattr(obj, name, self._wrap(phase, getattr(obj, name)))
 
     def _wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         child = self._child
@@ -94,11 +88,6 @@ class PhaseTimer:
 
     def reset(self) -> None:
         self.ns.clear()
-
-    def remove(self) -> None:
-        """Put the handler module's functions back (instances keep theirs)."""
-        for name, fn in self._saved.items():
-            setattr(handler_mod, name, fn)
 
 
 def phase_table(samples: list[dict[str, int]], totals_ns: np.ndarray) -> dict[str, float]:

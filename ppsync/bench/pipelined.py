@@ -40,7 +40,7 @@ from ppsync.bench.common import (
     world_barrier,
 )
 from ppsync.bench.model import overdue_within
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
 from ppsync.errors import PPSyncError
 from ppsync.schemas.config import SyncConfig
@@ -122,7 +122,7 @@ class _Chunk:
     def head_done(self, t: int, path: TokenPath) -> None:
         """Before consume at step t: was the head's transfer already done?"""
         if t >= self.warm and t >= self.config.depth:
-            work = path.head_work()
+            work = path.work_before_consume()
             self.counted += 1
             self.complete += work is None or work.is_completed()
 

@@ -41,7 +41,7 @@ from ppsync.bench.pipelined import (
     pipelined_rank,
     rounds,
 )
-from ppsync.core.frame import FrameCodec
+from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 __all__ = ["BenchOptions", "BenchReport", "format_tables", "run_bench"]

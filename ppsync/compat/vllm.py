@@ -295,7 +295,7 @@ class PPHandler:
                 "broadcast_drafts(draft_tokens, input_batch)",
                 "broadcast_drafts() takes the drafts [num_reqs, K] only, already gathered")
         K = self.config.num_speculative_steps
-        on_device = self._path.device_steps is not None
+        on_device = self._path.codec.on_device
         table_np = None
         if self.interface == "0.32" and not on_device:
             table_np = check_draft_table(draft_tokens, max_num_reqs=self.config.max_num_reqs,

@@ -1,16 +1,17 @@
 """Synchronous core (torch + numpy): need-sampled mask, generation table,
-slot ring, frame codecs (host: numpy; device: torch ops), platforms (cpu,
-cuda, xpu), process groups, the failure board, the flight recorder and its
-dumps, and the handler that combines them."""
+slot ring, the frame and its two codecs (host: numpy; device: torch ops),
+platforms (cpu, cuda, xpu), process groups, the failure board, the flight
+recorder and its dumps, and the token path that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
-from ppsync.core.device_codec import DeviceFrameCodec
 from ppsync.core.dumps import dump_all, install_dump_triggers
-from ppsync.core.frame import FrameCodec, FrameView
+from ppsync.core.frame import FrameView
+from ppsync.core.frame.codec import StepCodec
+from ppsync.core.frame.device_frames import DeviceFrameCodec
+from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, platform_for
@@ -18,6 +19,7 @@ from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
 from ppsync.core.steps import PendingStep, PreparedStep
+from ppsync.core.token_path import TokenPath
 
 __all__ = [
     "AuxRelay",
@@ -33,6 +35,7 @@ __all__ = [
     "PreparedStep",
     "ReleasedStep",
     "SlotRing",
+    "StepCodec",
     "TokenPath",
     "batch_view_of",
     "dump_all",

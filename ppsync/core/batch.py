@@ -76,7 +76,7 @@ def unsigned_max(a: np.ndarray) -> int:
 
 def _max(a: np.ndarray) -> int:
     """max(a) of a non-empty array: ``a[a.argmax()]`` (argmax has numpy's
-    leanest reduction path here, ~0.4 µs against ~1 µs for ``a.max()``)."""
+    leanest reduction path here, cheaper than ``a.max()``; docs/measured.md)."""
     return int(a[a.argmax()])
 
 
@@ -178,7 +178,7 @@ def validate_batch(view: BatchView, max_num_reqs: int) -> None:
         raise BatchError(
             f"idx_mapping[{row}] = {int(idx[row])} outside [0, max_num_reqs = {max_num_reqs})"
         )
-    if n > 1:  # in range, so bincount is at most max_num_reqs long (~8x np.unique)
+    if n > 1:  # in range, so bincount is at most max_num_reqs long (cheaper than np.unique)
         seen = np.bincount(idx, minlength=max_num_reqs)
         if _max(seen) > 1:
             twice = int(np.argmax(seen))

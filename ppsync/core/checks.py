@@ -50,6 +50,63 @@ def _meta(name: str, t: object, ndim: int, device: torch.device,
     return t.detach()
 
 
+def _check_shapes(tokens: tuple[int, ...], num_sampled: tuple[int, ...],
+                  num_rejected: tuple[int, ...], *, num_reqs: int, sample_width: int) -> None:
+    """The shapes of one step's sampler outputs (both codecs)."""
+    rows, w = tokens
+    if rows != num_reqs:
+        raise BatchError(f"sampled_token_ids.shape[0] = {rows} must equal num_reqs = {num_reqs}")
+    if not 1 <= w <= sample_width:
+        raise BatchError(f"sampled_token_ids.shape[1] = {w} must lie in [1, L = {sample_width}] "
+                         "(L = num_speculative_steps + 1)")
+    for name, shape in (("num_sampled", num_sampled), ("num_rejected", num_rejected)):
+        if shape[0] != num_reqs:
+            raise BatchError(f"{name}.shape = {shape} must be (num_reqs,) = ({num_reqs},)")
+
+
+def check_sample_width(sample_width: int | None, L: int) -> None:
+    """A step's own sample width: None (= L) or an int in [1, L]."""
+    if sample_width is None:
+        return
+    if isinstance(sample_width, bool) or not isinstance(sample_width, int):
+        raise BatchError(f"sample_width = {sample_width!r} must be an int or None")
+    if not 1 <= sample_width <= L:
+        raise BatchError(f"sample_width = {sample_width} must lie in [1, L = {L}] "
+                         "(L = num_speculative_steps + 1)")
+
+
+def check_width_fits(w: int, sample_width: int | None) -> None:
+    """Tokens ``w`` wide fit the step's own sample width (None: L, checked
+    with the shapes)."""
+    if sample_width is not None and w > sample_width:
+        raise BatchError(f"sampled_token_ids.shape[1] = {w} exceeds the "
+                         f"step's sample width {sample_width}")
+
+
+def value_bounds(w: int, num_drafts: int) -> tuple[int, int]:
+    """The largest valid (num_sampled, num_rejected) of a step of sample
+    width ``w``: the one rule both codecs check, the host in numpy before
+    the send, the device in torch ops while packing and receiving."""
+    return w, num_drafts
+
+
+def value_error(num_sampled_np: np.ndarray, num_rejected_np: np.ndarray, *, w: int,
+                num_drafts: int, prefix: str = "") -> BatchError | None:
+    """The BatchError naming the first num_sampled / num_rejected outside
+    :func:`value_bounds` (field, row, value, rule), or None when all lie in
+    range. ``prefix`` starts the message (a receiver names the frame)."""
+    max_ns, max_nr = value_bounds(w, num_drafts)
+    if out_of_range(num_sampled_np, max_ns + 1):  # one pass, no copy; catches negatives too
+        bad = (num_sampled_np < 0) | (num_sampled_np > max_ns)
+        return _first_bad(f"{prefix}num_sampled", num_sampled_np, bad,
+                          f"outside [0, w = {w}] (the sample width sent)")
+    if out_of_range(num_rejected_np, max_nr + 1):
+        bad = (num_rejected_np < 0) | (num_rejected_np > max_nr)
+        return _first_bad(f"{prefix}num_rejected", num_rejected_np, bad,
+                          f"outside [0, K = {num_drafts}] (num_speculative_steps)")
+    return None
+
+
 def check_sampled_meta(
     sampled_token_ids: object,  # [num_reqs, w] int64, 1 <= w <= L
     num_sampled: object,  # [num_reqs] int32
@@ -61,20 +118,12 @@ def check_sampled_meta(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The device codec's immediate checks of one step's sampler outputs:
     types, dtypes, shapes, device. The values are checked on the device
-    (ppsync.core.device_codec), without a host sync."""
+    (ppsync.core.frame.device_frames), without a host sync."""
     tokens = _meta("sampled_token_ids", sampled_token_ids, 2, device, (torch.int64,))
     ns = _meta("num_sampled", num_sampled, 1, device)
     nr = _meta("num_rejected", num_rejected, 1, device)
-    rows, w = tokens.shape
-    if rows != num_reqs:
-        raise BatchError(f"sampled_token_ids.shape[0] = {rows} must equal num_reqs = {num_reqs}")
-    if not 1 <= w <= sample_width:
-        raise BatchError(f"sampled_token_ids.shape[1] = {w} must lie in [1, L = {sample_width}] "
-                         "(L = num_speculative_steps + 1)")
-    for name, t in (("num_sampled", ns), ("num_rejected", nr)):
-        if t.shape[0] != num_reqs:
-            raise BatchError(f"{name}.shape = {tuple(t.shape)} must be (num_reqs,) = "
-                             f"({num_reqs},)")
+    _check_shapes(tuple(tokens.shape), tuple(ns.shape), tuple(nr.shape), num_reqs=num_reqs,
+                  sample_width=sample_width)
     return tokens, ns, nr
 
 
@@ -127,34 +176,11 @@ def check_sampled(
     tokens_np = _host("sampled_token_ids", sampled_token_ids, 2, (torch.int64,))
     ns_np = _host("num_sampled", num_sampled, 1)
     nr_np = _host("num_rejected", num_rejected, 1)
-    rows, w = tokens_np.shape
-    if rows != num_reqs:
-        raise BatchError(
-            f"sampled_token_ids.shape[0] = {rows} must equal num_reqs = {num_reqs}"
-        )
-    if not 1 <= w <= sample_width:
-        raise BatchError(
-            f"sampled_token_ids.shape[1] = {w} must lie in [1, L = {sample_width}] "
-            f"(L = num_speculative_steps + 1)"
-        )
-    for name, a in (("num_sampled", ns_np), ("num_rejected", nr_np)):
-        if a.shape[0] != num_reqs:
-            raise BatchError(f"{name}.shape = {a.shape} must be (num_reqs,) = ({num_reqs},)")
-    if num_reqs:
-        if out_of_range(ns_np, w + 1):  # one pass, no copy; catches negatives too
-            bad = (ns_np < 0) | (ns_np > w)
-            rule = f"outside [0, w = {w}] (the sample width sent)"
-            raise _first_bad("num_sampled", ns_np, bad, rule)
-        if num_drafts == 0:
-            if np.count_nonzero(nr_np):  # every entry must be 0 (any() is 4x slower)
-                bad = nr_np != 0
-                raise _first_bad("num_rejected", nr_np, bad,
-                                 "outside [0, K = 0] (num_speculative_steps)")
-        elif out_of_range(nr_np, num_drafts + 1):
-            bad = (nr_np < 0) | (nr_np > num_drafts)
-            raise _first_bad(
-                "num_rejected", nr_np, bad, f"outside [0, K = {num_drafts}] (num_speculative_steps)"
-            )
+    _check_shapes(tokens_np.shape, ns_np.shape, nr_np.shape, num_reqs=num_reqs,
+                  sample_width=sample_width)
+    err = value_error(ns_np, nr_np, w=tokens_np.shape[1], num_drafts=num_drafts)
+    if err is not None:
+        raise err
     return tokens_np, ns_np, nr_np
 
 

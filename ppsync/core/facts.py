@@ -2,8 +2,8 @@
 need mask of rule 1 (ppsync.core.mask) and the frame's per-row facts, in one
 int64 copy the token path keeps.
 
-Every numpy call costs ~0.5-1.5 µs here whatever its size (256 rows), so
-the step's own CPU is the count of calls: the view's four arrays go into
+A numpy call costs about the same whatever its size at these row counts
+(docs/measured.md), so the step's own CPU is the count of calls: the view's four arrays go into
 one block, one reduction range-checks every count (any negative reads as
 >= 2**63 unsigned), one bincount checks for distinct slots, and the mask and
 slot_need words are computed in the same block. When a check fails,
@@ -28,7 +28,7 @@ from ppsync.core.mask import need_sampled_mask
 _U64 = np.dtype(np.uint64)
 
 
-@dataclass(slots=True)  # read-only by convention: frozen costs ~1 µs per step
+@dataclass(slots=True)  # read-only by convention: frozen costs the hot path (docs/measured.md)
 class BatchFacts:
     """What the token path derives from one checked batch view, in one fresh
     ``block`` [3, num_reqs] int64 that the path may keep (a copy: the engine
@@ -78,7 +78,7 @@ def batch_facts(view: BatchView, max_num_reqs: int) -> BatchFacts:
         if n:
             u = block.view(_U64)  # a negative entry reads as >= 2**63
             idx_u, counts_u = u[0], u[1:].reshape(-1)
-            # a[a.argmax()]: numpy's leanest max here (~0.4 µs against ~1.3)
+            # a[a.argmax()]: numpy's leanest max here (see batch._max)
             if (idx_u[idx_u.argmax()] >= max_num_reqs
                     or counts_u[counts_u.argmax()] >= COUNT_LIMIT
                     or (n > 1 and _seen_twice(block[0], max_num_reqs))):

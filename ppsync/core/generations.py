@@ -35,9 +35,8 @@ class GenerationTable:
 
     def mark(self) -> int:
         """A mark of the frees so far (an int, no array read): with
-        :meth:`unchanged_since` it answers what :meth:`snapshot` and
-        :meth:`unchanged` do, at no cost for the usual step in which no slot
-        was freed."""
+        :meth:`unchanged_since` it tells which rows' slots were freed since,
+        at no cost for the usual step in which no slot was freed."""
         return self._frees
 
     def unchanged_since(self, idx_mapping_np: np.ndarray, mark: int) -> np.ndarray | None:
@@ -51,13 +50,3 @@ class GenerationTable:
     def generation(self, req_idx: int) -> int:
         """Slot ``req_idx``'s current generation (times it was freed)."""
         return int(self._gen_np[req_idx])
-
-    def snapshot(self, idx_mapping_np: np.ndarray) -> np.ndarray:
-        """[num_reqs] int64: the current generation of each row's slot."""
-        snap: np.ndarray = self._gen_np[idx_mapping_np]
-        return snap
-
-    def unchanged(self, idx_mapping_np: np.ndarray, snapshot_np: np.ndarray) -> np.ndarray:
-        """[num_reqs] bool: rows whose slot was not freed since ``snapshot``."""
-        unchanged: np.ndarray = self._gen_np[idx_mapping_np] == snapshot_np
-        return unchanged

@@ -14,10 +14,10 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from ppsync.core.frame.layout import FRAME_FORMAT_VERSION
 from ppsync.core.transport import wait_work
 from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.records import FRAME_FORMAT_VERSION
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
            "exact_wire", "device_codec")

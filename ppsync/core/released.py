@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 
-@dataclass(slots=True)  # read-only by convention: frozen costs ~1 µs per step
+@dataclass(slots=True)  # read-only by convention: frozen costs the hot path (docs/measured.md)
 class ReleasedStep:
     """Step ``seq``'s outputs, D steps after its receive was posted.
 
@@ -31,12 +31,3 @@ class ReleasedStep:
     @property
     def num_kept(self) -> int:
         return int(self.kept_np.sum())
-
-    def as_vllm_dict(self) -> dict[str, torch.Tensor]:
-        """The dict vLLM's ``get_prev_sampled_outputs`` returns."""
-        return {
-            "sampled_tokens": self.sampled_tokens,
-            "num_sampled": self.num_sampled,
-            "num_rejected": self.num_rejected,
-            "idx_mapping": self.idx_mapping,
-        }

@@ -47,8 +47,8 @@ class Broadcaster:
     """Issues the token path's broadcasts on one group, from one root.
 
     Calls the process group's own ``broadcast`` with options built once:
-    ``dist.broadcast``'s Python wrapper (group checks, rank translation) cost
-    20-50 µs per call on this machine, comparable to the rest of a step."""
+    ``dist.broadcast``'s Python wrapper (group checks, rank translation)
+    costs about as much as the rest of a step (docs/measured.md)."""
 
     def __init__(self, group: dist.ProcessGroup, root: int) -> None:
         self.group = group

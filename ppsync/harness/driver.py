@@ -1,7 +1,7 @@
 """Drive one rank's token path with the synthetic workload, synchronously
 (the core) or through the anyio services.
 
-Both loops follow the engine order of ``ppsync.core.handler``: consume
+Both loops follow the engine order of ``ppsync.core.token_path``: consume
 (non-last ranks), free slots, schedule, then post or publish. They run D
 extra steps with empty batches at the end so every posted step is consumed
 and checked. The time a rank's loop spends inside the token path per step is
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
+from ppsync.core.token_path import TokenPath
 from ppsync.harness.checker import Checker
 from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig
@@ -183,7 +183,7 @@ def run_sync_rank(
     """Run ``wcfg.steps`` steps (plus D to drain) through the core. With the
     device codec the engine's tensors live on the path's device. ``hot``
     wraps each token-path call (the GPU check forbids host syncs there)."""
-    device = path.platform.device if path.device_steps is not None else None
+    device = path.codec.device if path.codec.on_device else None
     loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us, progress, device)
     for t in range(loop.total_steps):
         if jitter_us:

@@ -1,54 +1,19 @@
-"""Per-step records: the frame header as data, and the step record that the
-services validate at their boundary and the flight recorder keeps.
+"""The step record: one step as the services report it (``last_record``).
 
 Records carry scalars and shape facts only. Arrays (tokens, counts, drafts,
 idx_mapping) are checked for dtype, shape and range by ``ppsync.core.checks``;
-they are never copied element by element into Python objects.
+they are never copied element by element into Python objects. (The frame's
+layout, version and flags are ppsync.core.frame.layout's.)
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FRAME_FORMAT_VERSION = 3
-
-FLAG_HAS_DRAFTS = 1
-"""The frame's draft columns hold this step's drafts."""
-FLAG_EXACT = 2
-"""The frame is sized for num_reqs rows, not max_num_reqs."""
-FLAG_BAD_VALUES = 4
-"""The device codec found a num_sampled or num_rejected value out of range
-while packing (its checks run on the device, after the step was issued);
-every receiver raises on such a frame."""
-
-
-class FrameHeader(BaseModel):
-    """The header words at the front of every frame (all int64 on the wire)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: int = Field(ge=0)
-    """Frame format version; receivers reject a version they do not know."""
-    step: int = Field(ge=0)
-    """Engine step sequence number; every rank counts steps the same way."""
-    num_reqs: int = Field(ge=0)
-    """Rows in the step's batch."""
-    sample_width: int = Field(ge=1)
-    """The step's sample width: L = K + 1, or fewer for an engine that varies
-    it per step (vLLM 0.33: 1 when the step verifies no drafts)."""
-    num_drafts: int = Field(ge=0)
-    """K draft columns per row."""
-    flags: int = Field(ge=0)
-    """Bit set of FLAG_HAS_DRAFTS, FLAG_EXACT and FLAG_BAD_VALUES."""
-    idx_digest: int
-    """Digest of the step's idx_mapping (see ppsync.core.frame.idx_digest)."""
-    checksum: int
-    """Checksum of the used payload rows."""
-
 
 class StepRecord(BaseModel):
     """One step as a rank sees it, validated where it crosses a service
-    boundary and kept by the flight recorder."""
+    boundary (the flight recorder keeps its own events, ppsync.schemas.dump)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -65,7 +30,8 @@ class StepRecord(BaseModel):
     has_drafts: bool = False
     """Whether the step's frame carries drafts."""
     idx_digest: int = 0
-    """Digest of idx_mapping, as in the frame header."""
+    """Digest of the step's row facts, as in the frame header (0 where not
+    reported)."""
 
     @model_validator(mode="after")
     def _needed_within_rows(self) -> StepRecord:

@@ -1,8 +1,8 @@
 """Observing a transfer's completion from the event loop, by notification.
 
 Gloo completes work on its own threads. Handing each wait to a worker thread
-costs ~0.13 ms per step at P=2 and doubles the step at P=3 on 2 cores, and
-polling starves gloo's threads (docs/measured.md). So: check :func:`finished`
+costs a large share of a step, and polling starves gloo's threads
+(docs/measured.md). So: check :func:`finished`
 first (in the pipelined flow a slot's transfer has usually completed by the
 time it is consumed, D steps later, and then nothing wakes at all); otherwise
 register a done-callback on the work's future that hands ``Event.set`` to the
@@ -10,8 +10,8 @@ loop through its thread-safe entry point (asyncio's ``call_soon_threadsafe``,
 trio's ``TrioToken.run_sync_soon``) and await the event under a deadline.
 
 The hand-off itself costs the loop a wake-up through its self-pipe and a
-scheduling round (~150-300 µs per wait on 2 busy cores). Most transfers that
-are still pending when awaited end within tens of µs, so before handing off
+scheduling round (docs/measured.md). Most transfers that are still pending
+when awaited end soon after, so before handing off
 the loop thread first waits inline, at most ``INLINE_WAIT_S`` (50 µs), on a
 ``threading.Event`` the same callback sets: a futex sleep that releases the
 GIL (no polling, which would starve gloo's threads). Done within the bound:
@@ -50,10 +50,11 @@ import anyio
 import anyio.lowlevel
 import torch.distributed as dist
 
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import finished, wait_work
-from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
+from ppsync.core.waits import Relayed, board_slices
+from ppsync.errors import PPSyncError
 
 EXIT_GRACE_S = 2.0
 """Longest the exit hook waits for works that still carry a callback."""
@@ -136,17 +137,12 @@ async def _woken(
     event: anyio.Event, *, timeout_s: float, what: str, board: FailureBoard | None
 ) -> None:
     """Await ``event`` (set by the work's callback through the loop) under
-    the deadline, checking the board every slice."""
-    deadline = anyio.current_time() + timeout_s
-    step = timeout_s if board is None else board.slice_s
-    while not event.is_set():
-        left = deadline - anyio.current_time()
-        if left <= 0:
-            raise SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s}")
-        with anyio.move_on_after(min(left, step)):
+    the deadline, checking the board every slice (ppsync.core.waits.board_slices)."""
+    for slice_s in board_slices(what, timeout_s=timeout_s, board=board, now=anyio.current_time):
+        with anyio.move_on_after(slice_s):
             await event.wait()
-        if not event.is_set() and board is not None and board.anyone_failed():
-            raise _Relayed(f"{what}: another rank reported a failure")
+        if event.is_set():
+            return
 
 
 def _ended_inline(work: dist.Work, wake: Callable[[], None]) -> bool:
@@ -185,7 +181,7 @@ async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
         board = path.board
         if board is None:
             raise
-        observed = not isinstance(e, _Relayed)
+        observed = not isinstance(e, Relayed)
         # post first, so the others can settle too
         path.failed(e, settle=False, observed=observed)
         # give the survivors the board's grace to post: a bounded wait, failure path only
@@ -196,8 +192,3 @@ async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
         if named is e:
             raise
         raise named from e
-
-
-class _Relayed(PeerLost):
-    """A wait ended because another rank posted a failure on the board: this
-    rank saw nothing itself, so the board's notices decide the error."""

@@ -1,20 +1,22 @@
 """BroadcastService (last rank) and ReceiveService (every other rank).
 
-Each wraps one rank's :class:`~ppsync.core.handler.TokenPath` for an anyio
+Each wraps one rank's :class:`~ppsync.core.token_path.TokenPath` for an anyio
 event loop. Inputs are checked by the core before any collective; the
 collective is issued at once from the caller's task (issuing a gloo async op
 does not block), so the issue order is the engine's call order on every
 rank. Each step's :class:`~ppsync.schemas.StepRecord` is kept as the values
 the core checked and built (and validated) only when ``last_record`` is
-read: a pydantic model per step costs the hot path 1-3 µs for nothing.
+read: a pydantic model per step would cost the hot path for nothing.
 Nothing here blocks the loop: every wait goes through
 :func:`ppsync.services.completion.completed`.
 
 One task per rank calls a service's methods, in the engine order of
-``ppsync.core.handler``.
+``ppsync.core.token_path``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -23,9 +25,9 @@ from anyio.abc import TaskStatus
 
 from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target
-from ppsync.core.handler import TokenPath
+from ppsync.core.path_base import role_error, takes_args_of
 from ppsync.core.released import ReleasedStep
-from ppsync.errors import RoleError
+from ppsync.core.token_path import TokenPath
 from ppsync.schemas.records import StepRecord
 from ppsync.services.completion import path_completed
 from ppsync.services.watcher import Issued, Watcher
@@ -34,10 +36,8 @@ from ppsync.services.watcher import Issued, Watcher
 class _Service:
     def __init__(self, path: TokenPath, *, last: bool) -> None:
         if path.is_last != last:
-            raise RoleError(
-                f"{type(self).__name__} belongs to {'the last' if last else 'a non-last'} rank; "
-                f"group rank {path.rank} of pp_size {path.config.pp_size} is not"
-            )
+            raise role_error(type(self).__name__, rank=path.rank,
+                             pp_size=path.config.pp_size, last=last)
         self.path = path
         self.watcher = Watcher(path)
         self._last: tuple[int, int, int, bool] | None = None  # see last_record
@@ -53,7 +53,7 @@ class _Service:
 
     def _record(self, view: BatchView, needed: int, has_drafts: bool) -> None:
         """After the step's publish or post: its values (step 0-based)."""
-        self._last = (self.path.steps - 1, int(view.num_reqs), needed, has_drafts)
+        self._last = (self.path.last_step, int(view.num_reqs), needed, has_drafts)
 
     @property
     def last_record(self) -> StepRecord | None:
@@ -78,10 +78,9 @@ class _Service:
             await path_completed(self.path, work, "earlier transfer")
 
     async def _watch_last_issue(self) -> None:
-        issue = self.path.last_issue
-        assert issue is not None
-        seq, _, work = issue
-        await self.watcher.watch(Issued(seq, work))
+        issued = self.path.last_issued()
+        assert issued is not None  # the call just issued a transfer
+        await self.watcher.watch(Issued(*issued))
 
 
 class BroadcastService(_Service):
@@ -90,28 +89,21 @@ class BroadcastService(_Service):
     def __init__(self, path: TokenPath) -> None:
         super().__init__(path, last=True)
 
-    async def publish(
-        self,
-        view: BatchView,
-        sampled_token_ids: torch.Tensor,  # [num_reqs, w] int64, 1 <= w <= L
-        num_sampled: torch.Tensor,  # [num_reqs] int32
-        num_rejected: torch.Tensor,  # [num_reqs] int32
-        draft_tokens: torch.Tensor | None = None,  # [num_reqs, K] int64
-    ) -> int:
-        """Broadcast one step; return once its frame is issued. Returns the
-        rows needing a sample (0: no transfer on any rank this step).
+    @takes_args_of(TokenPath.prepare)
+    async def publish(self, *args: Any, **kwargs: Any) -> int:
+        """Broadcast one step (the arguments of TokenPath.prepare); return
+        once its frame is issued. Returns the rows needing a sample (0: no
+        transfer on any rank this step).
 
         Bad input raises before anything is issued. Cancelled before the
         issue: nothing was sent and the step can be published again.
         After the issue nothing awaits an incomplete transfer, so the call
         completes."""
         await anyio.lowlevel.checkpoint()  # a step without a wait still yields
-        step, drafts_np = self.path.prepare(
-            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens
-        )
+        step, drafts = self.path.prepare(*args, **kwargs)
         await self._before_issue()
-        needed = self.path.send(step, drafts_np)
-        self._record(view, needed, drafts_np is not None)
+        needed = self.path.send(step, drafts)
+        self._record(step.view, needed, drafts is not None)
         if needed:
             await self._watch_last_issue()
         return needed
@@ -148,7 +140,7 @@ class ReceiveService(_Service):
             check_draft_target(draft_tokens_to_update, max_num_reqs=c.max_num_reqs,
                                num_drafts=c.num_speculative_steps)
         await self._before_issue()
-        work = self.path.head_work()
+        work = self.path.work_before_consume()
         if work is not None:
             await path_completed(self.path, work, "receive at the ring's head")
         return self.path.consume(draft_tokens_to_update)

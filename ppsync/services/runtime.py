@@ -29,23 +29,26 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.path_base import takes_args_of
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import CallNames
-from ppsync.errors import PeerLost, PPSyncError, RoleError
+from ppsync.core.token_path import TokenPath
+from ppsync.errors import PeerLost, PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.completion import completed
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 
 SERVICE_NAMES = CallNames(consume="take", post="post", publish="publish")
+
+S = TypeVar("S", BroadcastService, ReceiveService)
 
 
 class Rank:
@@ -71,32 +74,25 @@ class Rank:
         """Write this rank's flight record; see :meth:`TokenPath.dump`."""
         return self.path.dump(path)
 
-    async def publish(
-        self,
-        view: BatchView,
-        sampled_token_ids: torch.Tensor,
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        draft_tokens: torch.Tensor | None = None,
-    ) -> int:
+    @takes_args_of(TokenPath.prepare)
+    async def publish(self, *args: Any, **kwargs: Any) -> int:
         """Last rank: see :meth:`BroadcastService.publish`."""
-        if not isinstance(self.service, BroadcastService):
-            raise RoleError(f"publish() belongs to the last rank; group rank {self.rank} is not")
-        return await self.service.publish(
-            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens
-        )
+        return await self._service_for("publish", BroadcastService).publish(*args, **kwargs)
 
     async def post(self, view: BatchView) -> int:
         """Non-last ranks: see :meth:`ReceiveService.post`."""
-        if not isinstance(self.service, ReceiveService):
-            raise RoleError(f"post() belongs to a non-last rank; group rank {self.rank} is last")
-        return await self.service.post(view)
+        return await self._service_for("post", ReceiveService).post(view)
 
     async def take(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
         """Non-last ranks: see :meth:`ReceiveService.take`."""
-        if not isinstance(self.service, ReceiveService):
-            raise RoleError(f"take() belongs to a non-last rank; group rank {self.rank} is last")
-        return await self.service.take(draft_tokens_to_update)
+        return await self._service_for("take", ReceiveService).take(draft_tokens_to_update)
+
+    def _service_for(self, op: str, kind: type[S]) -> S:
+        """The service, when ``op()`` belongs to this rank's role (RoleError
+        otherwise, as the token path words it)."""
+        self.path.require_role(op, last=kind is BroadcastService)
+        assert isinstance(self.service, kind)  # the role decided the service
+        return self.service
 
 
 def _primary(eg: BaseExceptionGroup[BaseException]) -> BaseException | None:
@@ -138,10 +134,11 @@ async def open_rank(
     service: BroadcastService | ReceiveService = (
         BroadcastService(path) if path.is_last else ReceiveService(path)
     )
-    assert path.handshake is not None
     try:
         # the peers may take seconds to arrive: await the handshake, never block on it
-        await completed(path.handshake.work, timeout_s=config.timeout_s,
+        work = path.handshake_work()
+        assert work is not None  # wait_handshake=False: finish_handshake is due
+        await completed(work, timeout_s=config.timeout_s,
                         what=f"rank {path.rank}: configuration handshake", peer=None)
         path.finish_handshake()
     except BaseException:

@@ -23,7 +23,7 @@ import anyio
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import finished
 from ppsync.services.completion import path_completed
 

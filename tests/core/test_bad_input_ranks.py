@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import BatchError, PPSyncError, ProtocolError, RoleError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
@@ -247,7 +247,7 @@ class RankRun:
 
 def _state(path: TokenPath) -> tuple[int, int, int, int]:
     return (path.seq, path.steps, len(list(path.ring.pending())),
-            len(list(path.inflight_works())))
+            len(path._inflight))
 
 
 def _attempt(path: TokenPath, case: Case, r: int) -> Attempt:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from helpers import decode_view
 
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
 from ppsync.core.platform import Platform, StepEvent
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import BatchError, DesyncError
 from ppsync.harness.driver import Backend
 from ppsync.harness.launcher import RankEnv, spawn_ranks

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ppsync.core.groups import pipeline_layout, token_groups
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

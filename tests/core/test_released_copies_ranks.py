@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ppsync.compat.vllm import PPHandler
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

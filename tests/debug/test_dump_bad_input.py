@@ -14,7 +14,7 @@ from helpers import decode_view
 
 from ppsync.cli import main
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import BatchError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

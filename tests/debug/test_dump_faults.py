@@ -35,8 +35,8 @@ import torch.distributed as dist
 from ppsync.cli import main
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.token_path import TokenPath
 from ppsync.debug.load import validate_file, validators
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks

@@ -28,8 +28,8 @@ from helpers import engine_step, sync_engine_step
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError
 from ppsync.harness.driver import StepLoop, workload_config
 from ppsync.schemas.config import SyncConfig

@@ -19,7 +19,7 @@ import torch
 from fault_fuzz_inputs import Bad, bad_int, fingerprint, int_tensor, view_bads
 from hypothesis import strategies as st
 
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv
 
@@ -114,7 +114,7 @@ State = tuple[int, ...]  # what a bad call must leave as it was
 def path_state(path: TokenPath) -> State:
     """(seq, steps, steps in the ring, works in flight) of ``path``."""
     return (path.seq, path.steps, len(list(path.ring.pending())),
-            len(list(path.inflight_works())))
+            len(path._inflight))
 
 
 @dataclass(frozen=True)

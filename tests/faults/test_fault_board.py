@@ -28,8 +28,8 @@ from fault_tools import watchdog, write_json
 from helpers import engine_step, sync_engine_step
 
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.driver import StepLoop, run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks

@@ -56,7 +56,7 @@ from fault_tools import watchdog, write_json
 
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig, WireMode

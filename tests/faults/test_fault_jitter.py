@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fault_tools import watchdog
 
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
+from ppsync.core.token_path import TokenPath
 from ppsync.harness.driver import (
     Backend,
     run_async_rank_blocking,

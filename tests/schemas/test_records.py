@@ -1,4 +1,4 @@
-"""ppsync.schemas.records: StepRecord and FrameHeader validation."""
+"""ppsync.schemas.records: StepRecord validation."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ from pydantic import ValidationError
 
 from ppsync.errors import BatchError
 from ppsync.schemas._validate import validate_as
-from ppsync.schemas.records import (
-    FLAG_EXACT,
-    FLAG_HAS_DRAFTS,
-    FRAME_FORMAT_VERSION,
-    FrameHeader,
-    StepRecord,
-)
+from ppsync.schemas.records import StepRecord
 
 
 def _record(**fields: object) -> dict[str, object]:
@@ -22,21 +16,6 @@ def _record(**fields: object) -> dict[str, object]:
     }
     base.update(fields)
     return base
-
-
-def _header(**fields: object) -> dict[str, object]:
-    base: dict[str, object] = {
-        "version": FRAME_FORMAT_VERSION, "step": 5, "num_reqs": 4, "sample_width": 3,
-        "num_drafts": 2, "flags": FLAG_HAS_DRAFTS, "idx_digest": -123, "checksum": 456,
-    }
-    base.update(fields)
-    return base
-
-
-def test_flags_are_distinct_bits() -> None:
-    assert FLAG_HAS_DRAFTS & FLAG_EXACT == 0
-    assert FLAG_HAS_DRAFTS > 0
-    assert FLAG_EXACT > 0
 
 
 def test_step_record_valid_with_defaults() -> None:
@@ -94,42 +73,3 @@ def test_step_record_errors_convert_to_ppsync_errors() -> None:
 def test_step_record_json_round_trip() -> None:
     rec = StepRecord.model_validate(_record(has_drafts=True, idx_digest=-99))
     assert StepRecord.model_validate_json(rec.model_dump_json()) == rec
-
-
-def test_frame_header_valid() -> None:
-    hdr = FrameHeader.model_validate(_header())
-    assert hdr.version == FRAME_FORMAT_VERSION
-    assert hdr.flags == FLAG_HAS_DRAFTS
-    # digests and checksums are signed int64 words: negatives are legal
-    assert hdr.idx_digest == -123
-    assert FrameHeader.model_validate(_header(checksum=-(1 << 63))).checksum == -(1 << 63)
-
-
-@pytest.mark.parametrize(
-    "field", ["version", "step", "num_reqs", "num_drafts", "flags"]
-)
-def test_frame_header_rejects_negative_words(field: str) -> None:
-    with pytest.raises(ValidationError, match=rf"{field}\n.*greater than or equal to 0"):
-        FrameHeader.model_validate(_header(**{field: -1}))
-
-
-def test_frame_header_rejects_zero_sample_width() -> None:
-    with pytest.raises(ValidationError, match=r"sample_width\n.*greater than or equal to 1"):
-        FrameHeader.model_validate(_header(sample_width=0))
-
-
-@pytest.mark.parametrize("missing", ["idx_digest", "checksum", "flags"])
-def test_frame_header_requires_every_word(missing: str) -> None:
-    fields = _header()
-    del fields[missing]
-    with pytest.raises(ValidationError, match=rf"{missing}\n.*Field required"):
-        FrameHeader.model_validate(fields)
-
-
-def test_frame_header_forbids_extra_fields_and_is_frozen() -> None:
-    with pytest.raises(ValidationError, match=r"magic\n.*Extra inputs are not permitted"):
-        FrameHeader.model_validate(_header(magic=1))
-    hdr = FrameHeader.model_validate(_header())
-    with pytest.raises(ValidationError, match="frozen"):
-        hdr.step = 6
-    assert hdr.step == 5

@@ -121,14 +121,17 @@ def test_wrong_role_and_bad_input_raise_before_any_collective(backend: Backend) 
     )
     bad = f"idx_mapping\\[1\\] = {MAX_NUM_REQS + 3} outside \\[0, max_num_reqs = {MAX_NUM_REQS}\\)"
     expect_last = [
-        ("post", "RoleError", r"post\(\) belongs to a non-last rank; group rank 1 is last"),
-        ("take", "RoleError", r"take\(\) belongs to a non-last rank; group rank 1 is last"),
+        ("post", "RoleError",
+         r"post\(\) belongs to a non-last rank; group rank 1 of pp_size 2 is the last rank"),
+        ("take", "RoleError",
+         r"take\(\) belongs to a non-last rank; group rank 1 of pp_size 2 is the last rank"),
         ("publish idx out of range", "BatchError", bad),
         ("publish num_sampled > w", "BatchError", r"num_sampled\[0\] = 2 outside \[0, w = 1\]"),
         ("publish", "ok", r"2"),  # rows needing a sample: the step went out
     ]
     expect_receiver = [
-        ("publish", "RoleError", r"publish\(\) belongs to the last rank; group rank 0 is not"),
+        ("publish", "RoleError",
+         r"publish\(\) belongs to the last rank; group rank 0 of pp_size 2 is not the last rank"),
         ("take bad draft table", "BatchError", r"num_speculative_steps = 0"),
         ("take", "ok", r"None"),
         ("post idx out of range", "BatchError", bad),

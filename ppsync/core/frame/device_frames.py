@@ -1,9 +1,7 @@
 """The frame codec in torch ops: the frame lives where the tensors live.
 
-Same layout, same bytes as the host codec (``ppsync.core.frame``): header
-``[magic|version, seq, num_reqs, w, K, flags, idx_digest, checksum]`` then
-rows ``[tokens L | num_sampled | num_rejected | drafts K | slot_need |
-num_computed]``. A frame packed here for a valid step equals the host
+Same layout, same bytes as the host frames (``ppsync.core.frame.layout``).
+A frame packed here for a valid step equals the host
 codec's frame word for word (the checksum is the same weighted sum, in
 int64 arithmetic that wraps mod 2**64 in numpy and torch alike), so the
 two codecs agree on what a frame is; a group still uses one codec (the
@@ -26,20 +24,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ppsync.core.frame import _H_CSUM, _H_FLAGS, _MAGIC, HEADER_WORDS, FrameCodec, FrameView
+from ppsync.core.checks import value_bounds, value_error
+from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.layout import (
+    FLAG_BAD_VALUES,
+    HEADER_WORDS,
+    BufferPool,
+    FrameView,
+    Header,
+    Staging,
+)
 from ppsync.errors import BatchError
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.records import (
-    FLAG_BAD_VALUES,
-    FLAG_EXACT,
-    FLAG_HAS_DRAFTS,
-    FRAME_FORMAT_VERSION,
-)
+
+_H_FLAGS, _H_CSUM = int(Header.FLAGS), int(Header.CHECKSUM)
 
 V_NUM_SAMPLED = 1
 """A num_sampled value lies outside [0, w]."""
 V_NUM_REJECTED = 2
-"""A num_rejected value lies outside [0, K]."""
+"""A num_rejected value lies outside its bound (ppsync.core.checks.value_bounds)."""
 V_FRAME = 4
 """The received frame disagrees with this rank's view (header, checksum,
 row facts or digest): the host codec's check names how."""
@@ -55,64 +58,36 @@ class DeviceFrameCodec:
 
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
         self.layout = FrameCodec(config)
-        """The host codec: the layout, digests, and the error path."""
+        """The host frames: the layout, digests, and the error path."""
         self.device = device
         lay = self.layout
         # built once: int64 weights on the device (the host codec's, word for word)
-        self._payload_w = torch.from_numpy(lay._payload_w.copy()).to(device)
-        self._header_w = torch.from_numpy(lay._header_w[:_H_CSUM].copy()).to(device)
-        self._free: list[torch.Tensor] = []
-
-    def staging_words(self) -> int:
-        """Words of a host staging buffer: 8 header words, then five regions
-        of max_num_reqs words (slot_need, num_computed, and for a receiver's
-        consume: idx_mapping out, kept rows' request slots, kept rows), then
-        the verdict's host copy."""
-        return HEADER_WORDS + 5 * self.layout.max_num_reqs + 1
-
-    def new_buffer(self, num_reqs: int) -> torch.Tensor:
-        """A [words] int64 frame buffer on the device."""
-        words = self.layout.words(num_reqs)
-        if self._free and self._free[-1].shape[0] == words:
-            return self._free.pop()
-        return torch.empty(words, dtype=torch.int64, device=self.device)
-
-    def recycle(self, buf: torch.Tensor) -> None:
-        """Give back a buffer whose step's event completed."""
-        if not self.layout.exact and len(self._free) < 8:
-            self._free.append(buf)
+        self._payload_w = torch.from_numpy(lay.payload_w.copy()).to(device)
+        self._header_w = torch.from_numpy(lay.header_w[:_H_CSUM].copy()).to(device)
+        self.buffers = BufferPool(lay, device)
 
     def stage(self, staging: torch.Tensor, view: FrameView, flags: int) -> torch.Tensor:
-        """Write ``view``'s host facts into ``staging`` (host, [staging_words]);
-        return the used part [8 + 2 * num_reqs]. Header word 7 (checksum) is
-        left 0: the device computes it."""
+        """Write ``view``'s host facts into ``staging`` (host, see
+        :class:`~ppsync.core.frame.layout.Staging`); return the used part.
+        The checksum word is left 0: the device computes it."""
         lay, n = self.layout, view.num_reqs
         s = staging.numpy()
-        s[:HEADER_WORDS] = (_MAGIC | FRAME_FORMAT_VERSION, view.seq, n, view.width(lay),
-                            lay.num_drafts, flags, view.idx_digest, 0)
-        s[HEADER_WORDS : HEADER_WORDS + n] = 0 if view.slot_need_np is None else view.slot_need_np
-        s[HEADER_WORDS + n : HEADER_WORDS + 2 * n] = (
-            0 if view.computed_np is None else view.computed_np)
-        return staging[: HEADER_WORDS + 2 * n]
-
-    def host_flags(self, has_drafts: bool) -> int:
-        return (FLAG_EXACT if self.layout.exact else 0) | (FLAG_HAS_DRAFTS if has_drafts else 0)
-
-    def _rows(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        W = self.layout.row_width
-        return buf[HEADER_WORDS : HEADER_WORDS + n * W].view(n, W)
+        s[:HEADER_WORDS] = (*view.header_words(lay, flags), 0)
+        s[Staging.slot_need(n)] = 0 if view.slot_need_np is None else view.slot_need_np
+        s[Staging.computed(n)] = 0 if view.computed_np is None else view.computed_np
+        return staging[: Staging.view_words(n)]
 
     def _checksum(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """[1] int64: the host codec's weighted sum, on the device (wraps)."""
         m = n * self.layout.row_width
-        payload = buf[HEADER_WORDS : HEADER_WORDS + m]
+        payload = buf[HEADER_WORDS : self.layout.used(n)]
         total = (payload * self._payload_w[:m]).sum() + (buf[:_H_CSUM] * self._header_w).sum()
         return total.view(1)
 
     def _value_verdict(self, ns: torch.Tensor, nr: torch.Tensor, w: int) -> torch.Tensor:
-        K = self.layout.num_drafts
-        bad_ns = ((ns < 0) | (ns > w)).any().to(torch.int64)
-        bad_nr = ((nr < 0) | (nr > K)).any().to(torch.int64)
+        max_ns, max_nr = value_bounds(w, self.layout.num_drafts)
+        bad_ns = ((ns < 0) | (ns > max_ns)).any().to(torch.int64)
+        bad_nr = ((nr < 0) | (nr > max_nr)).any().to(torch.int64)
         return bad_ns * V_NUM_SAMPLED + bad_nr * V_NUM_REJECTED
 
     def pack(
@@ -130,19 +105,19 @@ class DeviceFrameCodec:
         n, L, K = tokens.shape[0], lay.sample_width, lay.num_drafts
         w = tokens.shape[1]
         facts = staged.to(self.device, non_blocking=True)
-        rows = self._rows(buf, n)
+        rows = lay.device_rows(buf, n)
         rows[:, :w] = tokens
         if w < L:
             rows[:, w:L] = -1
-        rows[:, L] = num_sampled
-        rows[:, L + 1] = num_rejected
+        rows[:, lay.col_num_sampled] = num_sampled
+        rows[:, lay.col_num_rejected] = num_rejected
         if K:
             if drafts is None:
                 rows[:, lay.col_drafts : lay.col_slot_need] = -1
             else:
                 rows[:, lay.col_drafts : lay.col_slot_need] = drafts
-        rows[:, lay.col_slot_need] = facts[HEADER_WORDS : HEADER_WORDS + n]
-        rows[:, lay.col_computed] = facts[HEADER_WORDS + n : HEADER_WORDS + 2 * n]
+        rows[:, lay.col_slot_need] = facts[Staging.slot_need(n)]
+        rows[:, lay.col_computed] = facts[Staging.computed(n)]
         buf[:_H_CSUM] = facts[:_H_CSUM]
         verdict = self._value_verdict(num_sampled, num_rejected, w).view(1)
         # the verdict travels: a bad step's frame says so, under the checksum
@@ -158,18 +133,18 @@ class DeviceFrameCodec:
         lay = self.layout
         exp = staged.to(self.device, non_blocking=True)
         head = buf[:HEADER_WORDS]
-        rows = self._rows(buf, n)
+        rows = self.layout.device_rows(buf, n)
         bad_frame = (
             (head[:_H_FLAGS] != exp[:_H_FLAGS]).any()
             | (head[_H_FLAGS + 1 : _H_CSUM] != exp[_H_FLAGS + 1 : _H_CSUM]).any()
             | (self._checksum(buf, n) != head[_H_CSUM : _H_CSUM + 1]).any()
-            | (rows[:, lay.col_slot_need] != exp[HEADER_WORDS : HEADER_WORDS + n]).any()
-            | (rows[:, lay.col_computed] != exp[HEADER_WORDS + n : HEADER_WORDS + 2 * n]).any()
+            | (rows[:, lay.col_slot_need] != exp[Staging.slot_need(n)]).any()
+            | (rows[:, lay.col_computed] != exp[Staging.computed(n)]).any()
         ).to(torch.int64)
         flagged = ((head[_H_FLAGS] & FLAG_BAD_VALUES) != 0).to(torch.int64)
-        L = lay.sample_width
         verdict = (bad_frame * V_FRAME + flagged * V_FLAGGED
-                   + self._value_verdict(rows[:, L], rows[:, L + 1], w))
+                   + self._value_verdict(rows[:, lay.col_num_sampled],
+                                         rows[:, lay.col_num_rejected], w))
         return verdict.view(1)
 
     # -- the error path: the host looks at the frame only once a verdict is bad
@@ -179,14 +154,8 @@ class DeviceFrameCodec:
         (field, row, value, rule) in a frame copied to the host."""
         lay = self.layout
         rows = lay.rows(frame_np, n)
-        L, K = lay.sample_width, lay.num_drafts
-        ns, nr = rows[:, L], rows[:, L + 1]
-        bad = (ns < 0) | (ns > w)
-        if bad.any():
-            r = int(np.argmax(bad))
-            return BatchError(f"{prefix}num_sampled[{r}] = {int(ns[r])} outside [0, w = {w}] "
-                              "(the sample width sent)")
-        bad = (nr < 0) | (nr > K)
-        r = int(np.argmax(bad))
-        return BatchError(f"{prefix}num_rejected[{r}] = {int(nr[r])} outside [0, K = {K}] "
-                          "(num_speculative_steps)")
+        err = value_error(rows[:, lay.col_num_sampled], rows[:, lay.col_num_rejected], w=w,
+                          num_drafts=lay.num_drafts, prefix=prefix)
+        if err is None:  # flagged by its sender, though in range for this rank's width
+            return BatchError(f"{prefix}values its sender flagged out of range (FLAG_BAD_VALUES)")
+        return err

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ppsync.core.device_codec import V_NUM_SAMPLED, DeviceFrameCodec
-from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
+from ppsync.core.frame import BufferPool, FrameView, slot_need_words
+from ppsync.core.frame.device_frames import V_NUM_SAMPLED, DeviceFrameCodec
+from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.platform import platform_for
 from ppsync.schemas.config import SyncConfig
 
@@ -32,19 +33,19 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync() -> None:
     tokens_np = np.array([[1 << 62, 2, 3], [4, 5, -1], [7, -1, -1]], dtype=np.int64)
     ns_np, nr_np = np.array([3, 2, 1], dtype=np.int32), np.array([0, 1, 2], dtype=np.int32)
     drafts_np = np.arange(6, dtype=np.int64).reshape(3, 2)
-    hbuf = host.new_buffer(3)
+    hbuf = BufferPool(host).take(3)
     hbuf.numpy()[:] = 0
     host.pack(hbuf.numpy(), view, tokens_np, ns_np, nr_np, drafts_np)
     tokens, ns, nr, drafts = (torch.from_numpy(a).to(dev)
                               for a in (tokens_np, ns_np, nr_np, drafts_np))
-    staging = p.host_buffer(codec.staging_words())
+    staging = p.host_buffer(codec.layout.staging.words)
     buf = torch.zeros(host.words(3), dtype=torch.int64, device=dev)
     side = p.new_stream()
     p.wait_stream(side, p.current_stream())
     torch.cuda.set_sync_debug_mode("error")
     try:
         with p.use(side):
-            verdict = codec.pack(buf, codec.stage(staging, view, codec.host_flags(True)),
+            verdict = codec.pack(buf, codec.stage(staging, view, codec.layout.flags(True)),
                                  tokens, ns, nr, drafts)
             staging[-1:].copy_(verdict, non_blocking=True)
             event = p.record_event(side)

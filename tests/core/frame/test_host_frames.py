@@ -7,10 +7,18 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from ppsync.core.frame import HEADER_WORDS, FrameCodec, FrameView, slot_need_words
+from ppsync.core.frame import (
+    FLAG_EXACT,
+    FLAG_HAS_DRAFTS,
+    FRAME_FORMAT_VERSION,
+    HEADER_WORDS,
+    BufferPool,
+    FrameView,
+    slot_need_words,
+)
+from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig, WireMode
-from ppsync.schemas.records import FLAG_EXACT, FLAG_HAS_DRAFTS, FRAME_FORMAT_VERSION
 
 MAX_NUM_REQS = 6
 
@@ -64,7 +72,7 @@ def _step(
 
 
 def _pack(codec: FrameCodec, step: Step) -> np.ndarray:
-    buf_np = codec.new_buffer(step.view.num_reqs).numpy()
+    buf_np = BufferPool(codec).take(step.view.num_reqs).numpy()
     buf_np[:] = 0x7777  # stale bytes: pack must overwrite everything it uses
     codec.pack(buf_np, step.view, step.tokens_np, step.num_sampled_np, step.num_rejected_np,
                step.drafts_np)
@@ -80,7 +88,7 @@ def test_fixed_wire_is_sized_for_max_num_reqs(k: int) -> None:
     assert codec.row_width == (k + 1) + 2 + k + 2  # ... drafts, slot_need, computed
     for n in (0, 1, MAX_NUM_REQS):
         assert codec.words(n) == HEADER_WORDS + MAX_NUM_REQS * codec.row_width
-        assert codec.new_buffer(n).numel() == codec.words(n)
+        assert BufferPool(codec).take(n).numel() == codec.words(n)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -88,7 +96,7 @@ def test_exact_wire_is_sized_for_num_reqs(k: int) -> None:
     codec = _codec(k, "exact")
     for n in (0, 1, MAX_NUM_REQS):
         assert codec.words(n) == HEADER_WORDS + n * codec.row_width
-        assert codec.new_buffer(n).numel() == codec.words(n)
+        assert BufferPool(codec).take(n).numel() == codec.words(n)
 
 
 # -- round trip ----------------------------------------------------------------
@@ -266,7 +274,7 @@ def test_a_per_step_width_travels_in_the_header() -> None:
     codec = _codec(3)  # L = 4
     step = _step(codec, num_reqs=2, w=1)
     narrow = FrameView(step.view.seq, 2, step.view.idx_digest, sample_width=1)
-    buf_np = codec.new_buffer(2).numpy()
+    buf_np = BufferPool(codec).take(2).numpy()
     codec.pack(buf_np, narrow, step.tokens_np, step.num_sampled_np, step.num_rejected_np, None)
     assert codec.header_dict(buf_np)["sample_width"] == 1
     assert codec.check(buf_np, narrow, rank=0) == 0
@@ -416,10 +424,10 @@ def test_checksum_and_digest_are_the_documented_weighted_sums(k: int) -> None:
         buf = rng.integers(-(1 << 63), (1 << 63) - 1, size=codec.words(n), dtype=np.int64)
         m = n * codec.row_width
         want = sum(int(a) * int(b) for a, b in zip(
-            buf[HEADER_WORDS:HEADER_WORDS + m], codec._payload_w[:m], strict=True))
-        want += sum(int(a) * int(b) for a, b in zip(buf[:7], codec._header_w[:7], strict=True))
-        assert codec._checksum(buf, n) == _wrap64(want)
+            buf[HEADER_WORDS:HEADER_WORDS + m], codec.payload_w[:m], strict=True))
+        want += sum(int(a) * int(b) for a, b in zip(buf[:7], codec.header_w[:7], strict=True))
+        assert codec.checksum(buf, n) == _wrap64(want)
         facts = rng.integers(-(1 << 63), (1 << 63) - 1, size=(2, n), dtype=np.int64)
         digest = sum((int(f) + 1) * int(w)
-                     for f, w in zip(facts.reshape(-1), codec._facts_w, strict=False))
+                     for f, w in zip(facts.reshape(-1), codec.facts_w, strict=False))
         assert codec.facts_digest(facts) == _wrap64(digest)

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from ppsync.core.checks import check_sampled_meta
-from ppsync.core.device_codec import (
+from ppsync.core.frame import FLAG_BAD_VALUES, BufferPool, FrameView, slot_need_words
+from ppsync.core.frame.device_frames import (
     V_FLAGGED,
     V_FRAME,
     V_NUM_REJECTED,
     V_NUM_SAMPLED,
     DeviceFrameCodec,
 )
-from ppsync.core.frame import FrameCodec, FrameView, slot_need_words
+from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.platform import CudaPlatform, Platform, XpuPlatform, platform_for
 from ppsync.errors import BatchError, ConfigError
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.records import FLAG_BAD_VALUES
 
 CPU = torch.device("cpu")
 
@@ -55,12 +55,12 @@ def test_device_frame_equals_host_frame(k: int, wire: str, with_drafts: bool,
     w = 1 if narrow else k + 1
     view, tokens, ns, nr, drafts = _step(k, 11, w, seed=k * 10 + w)
     has = with_drafts and k > 0
-    hbuf = host.new_buffer(11)
+    hbuf = BufferPool(host).take(11)
     hbuf.numpy()[:] = 0
     host.pack(hbuf.numpy(), view, tokens, ns, nr, drafts if has else None)
-    dbuf = dev.new_buffer(11)
+    dbuf = dev.buffers.take(11)
     dbuf[:] = 0
-    staged = dev.stage(dev_staging(dev), view, dev.host_flags(has))
+    staged = dev.stage(dev_staging(dev), view, dev.layout.flags(has))
     verdict = dev.pack(dbuf, staged, torch.from_numpy(tokens), torch.from_numpy(ns),
                        torch.from_numpy(nr), torch.from_numpy(drafts) if has else None)
     assert int(verdict[0]) == 0
@@ -72,7 +72,7 @@ def test_device_frame_equals_host_frame(k: int, wire: str, with_drafts: bool,
 
 
 def dev_staging(dev: DeviceFrameCodec) -> torch.Tensor:
-    return Platform(CPU).host_buffer(dev.staging_words())
+    return Platform(CPU).host_buffer(dev.layout.staging.words)
 
 
 @pytest.mark.parametrize(("field", "value", "bit"), [
@@ -85,8 +85,8 @@ def test_bad_values_give_a_verdict_and_flag_the_frame(field: str, value: int, bi
     dev = DeviceFrameCodec(config, CPU)
     view, tokens, ns, nr, _ = _step(k, 5, k + 1, seed=3)
     (ns if field == "num_sampled" else nr)[2] = value
-    buf = dev.new_buffer(5)
-    staged = dev.stage(dev_staging(dev), view, dev.host_flags(False))
+    buf = dev.buffers.take(5)
+    staged = dev.stage(dev_staging(dev), view, dev.layout.flags(False))
     verdict = dev.pack(buf, staged, torch.from_numpy(tokens), torch.from_numpy(ns),
                        torch.from_numpy(nr), None)
     assert int(verdict[0]) == bit
@@ -103,7 +103,7 @@ def test_a_receivers_other_view_is_a_frame_verdict() -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=1)
     dev = DeviceFrameCodec(config, CPU)
     view, tokens, ns, nr, _ = _step(1, 4, 2, seed=5)
-    buf = dev.new_buffer(4)
+    buf = dev.buffers.take(4)
     dev.pack(buf, dev.stage(dev_staging(dev), view, 0), torch.from_numpy(tokens),
              torch.from_numpy(ns), torch.from_numpy(nr), None)
     assert view.computed_np is not None

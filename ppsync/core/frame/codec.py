@@ -1,0 +1,102 @@
+"""The codec protocol: what a token path asks of its frames' codec, chosen once.
+
+Two codecs implement it: the host codec (ppsync.core.frame.host_codec:
+frames in numpy on the host, every value checked before the send) and the
+device codec (ppsync.core.frame.device_codec: frames in torch ops where the
+engine's tensors live, values checked on the device and their verdicts read
+when the step's event completed). :func:`codec_for` picks one from
+``config.codec``; the token path calls only what is declared here, and a
+caller that needs to know asks the object (``path.codec.on_device``,
+``path.codec.device``). The rules a step's values follow (sample width,
+num_sampled, num_rejected) are in ppsync.core.checks, shared by both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ppsync.core.batch import BatchView
+from ppsync.core.facts import BatchFacts
+from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.layout import BufferPool, FrameView
+from ppsync.core.platform import Platform
+from ppsync.core.released import ReleasedStep
+from ppsync.core.steps import PendingStep, PreparedStep
+from ppsync.schemas.config import SyncConfig
+
+StepDrafts = np.ndarray | torch.Tensor
+"""One step's drafts, [num_reqs, K]: a host array (host codec) or a tensor on
+the codec's device (device codec), as :meth:`StepCodec.prepare` returns them."""
+
+Issue = Callable[[torch.Tensor], dist.Work]
+"""Issues a frame's collective; never blocks."""
+
+Wait = Callable[[dist.Work], None]
+"""Returns once a work completed (bounded; raises the path's error)."""
+
+
+class StepCodec(Protocol):
+    """A codec's share of one token path's steps."""
+
+    on_device: bool
+    """Frames live on :attr:`device` and the engine's tensors must too; their
+    values are checked there, and a bad one raises one call later."""
+    device: torch.device
+    """Where the frames and the engine's tensors live (CPU for the host codec)."""
+    frames: FrameCodec
+    """The host frames: layout, digests, and the checks' error path."""
+    buffers: BufferPool
+    """Where this codec's frame buffers come from."""
+
+    def settle(self, *, all_: bool = False) -> None:
+        """Read the verdicts of steps whose event completed (every one with
+        ``all_``, after a drain); raise the first bad one's BatchError or
+        DesyncError. The host codec defers nothing."""
+
+    def prepare(
+        self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
+        num_sampled: object, num_rejected: object, draft_tokens: object | None,
+        sample_width: int | None,
+    ) -> tuple[PreparedStep, StepDrafts | None]:
+        """Check one step's sampler outputs and drafts (last rank)."""
+
+    def check_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
+        """Check drafts handed to send (the last rank): [num_reqs, K]."""
+
+    def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
+             issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
+        """Pack and issue one step's frame; (buffer, work, flags, checksum)."""
+
+    def post(self, frame: FrameView, issue: Issue
+             ) -> tuple[torch.Tensor, torch.Tensor | None, dist.Work]:
+        """Issue one receive; (buffer, staging or None, work)."""
+
+    def release(self, head: PendingStep, keep: np.ndarray, kept: int,
+                table: torch.Tensor | None, wait: Wait, *, rank: int) -> ReleasedStep:
+        """Wait for ``head``'s frame, check it and hand out its kept rows
+        (``keep`` [num_reqs] bool, ``kept`` of them); scatter kept drafts
+        into ``table``."""
+
+    def skip(self, head: PendingStep) -> None:
+        """``head`` is released with no row kept: its frame is never read."""
+
+    def completed(self, buf: torch.Tensor) -> None:
+        """``buf``'s transfer completed and nothing reads it any more."""
+
+
+
+def codec_for(config: SyncConfig, platform: Platform, *, backend: str, rank: int,
+              src: int) -> StepCodec:
+    """The codec ``config.codec`` names: the one place the choice is made."""
+    # imported here: both implementations import this module's protocol types
+    from ppsync.core.frame.device_codec import DeviceCodec
+    from ppsync.core.frame.host_codec import HostCodec
+
+    if config.codec == "device":
+        return DeviceCodec(config, platform, backend=backend, rank=rank, src=src)
+    return HostCodec(config)

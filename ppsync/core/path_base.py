@@ -1,0 +1,350 @@
+"""What both roles of a token path share: the group, the codec, the ring,
+the in-flight works and their waits, the recorder; and the async contract.
+
+:class:`~ppsync.core.token_path.TokenPath` adds the roles' calls on top.
+The async contract (ppsync.services; trio's memory channels are the model:
+a synchronous ``*_nowait`` core and a thin async wrapper): every call of a
+token path is synchronous and waits only where its docstring says; an event
+loop never lets it block, by awaiting first, by notification, the works it
+would wait on, which these name:
+
+- :meth:`PathBase.handshake_work`: the start-up handshake's collective, to
+  await before :meth:`PathBase.finish_handshake` (with ``wait_handshake``
+  False);
+- :meth:`PathBase.works_before_issue`: what the next send or consume would
+  wait on (the oldest transfers beyond the ring's depth);
+- :meth:`PathBase.work_before_consume`: the receive the next consume waits on;
+- :meth:`PathBase.last_issued`: (seq, work) of the collective the last call
+  issued, for a watcher to see complete; :attr:`PathBase.last_step`: that
+  call's 0-based step number.
+
+Everything that depends on the codec is in the codec object
+(ppsync.core.frame.codec), chosen once: no branch here or in TokenPath asks
+which codec it has.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ppsync.core.batch import BatchView
+from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
+from ppsync.core.facts import BatchFacts, batch_facts
+from ppsync.core.frame.codec import StepCodec, codec_for
+from ppsync.core.frame.layout import FrameView
+from ppsync.core.generations import GenerationTable
+from ppsync.core.groups import group_facts
+from ppsync.core.handshake import Handshake
+from ppsync.core.liveness import FailureBoard
+from ppsync.core.platform import Platform, platform_for
+from ppsync.core.recorder import FlightRecorder
+from ppsync.core.ring import SlotRing
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep
+from ppsync.core.teardown import bound_group_timeout, keep_until_exit
+from ppsync.core.transport import Broadcaster, TransportClock, finished
+from ppsync.core.waits import InFlight, Waits, named_failure
+from ppsync.errors import (
+    BatchError,
+    ConfigError,
+    DesyncError,
+    PPSyncError,
+    ProtocolError,
+    RoleError,
+)
+from ppsync.schemas.config import SyncConfig
+
+T = TypeVar("T")
+R = TypeVar("R")
+S = TypeVar("S")
+P = ParamSpec("P")
+
+
+def takes_args_of(
+    of: Callable[Concatenate[Any, P], object],
+) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
+    """Type a method that forwards its arguments as taking those of ``of``
+    (a method too): one signature, written once, for the calls that pass
+    it on (publish: TokenPath.prepare's, through the services)."""
+    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
+        method.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
+        return method
+    return typed
+
+
+def role_error(op: str, *, rank: int, pp_size: int, last: bool) -> RoleError:
+    """``op()`` belongs to the last rank (``last``) or to the others, and
+    group ``rank`` of ``pp_size`` is not such a rank."""
+    who = "the last rank" if last else "a non-last rank"
+    return RoleError(f"{op}() belongs to {who}; group rank {rank} of pp_size {pp_size} is "
+                     f"{'not the last' if last else 'the last'} rank")
+
+
+class PathBase:
+    """One rank's token path over ``group`` (the dedicated token group: same
+    ranks as the PP group, last group rank samples), less the roles' calls."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        group: dist.ProcessGroup,
+        *,
+        board: FailureBoard | Literal["group"] | None = "group",
+        names: CallNames = TOKEN_PATH_NAMES,
+        wait_handshake: bool = True,
+        device: torch.device | str | None = None,
+        platform: str | Platform | None = None,
+    ) -> None:
+        """``board``: where ranks post failures, so that one cause gives one
+        error type on every rank, naming the culprit (see
+        ppsync.core.liveness); "group" (the default): a board in the group's
+        own store; None: no board, each rank reports only what it saw.
+        ``names``: the caller's names for consume/post/publish, used in errors.
+        ``device``: where the device codec's frames live (default CPU);
+        ``platform``: cpu, cuda or xpu (default: the device's type)."""
+        rank, size, group_ranks, backend = group_facts(group)
+        if size != config.pp_size:
+            raise ConfigError(
+                f"pp_size = {config.pp_size} but the group has {size} ranks; they must match"
+            )
+        self.config = config
+        self.names = names
+        self.group = group
+        self.rank = rank
+        self.is_last = self.rank == config.pp_size - 1
+        self.group_ranks = group_ranks
+        self.global_rank = group_ranks[rank]
+        self.src = group_ranks[config.pp_size - 1]
+        self.board = FailureBoard.of_group(group) if board == "group" else board
+        bound_group_timeout(group, config.timeout_s)
+        self.transport: Broadcaster = Broadcaster(group, config.pp_size - 1)
+        """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
+        may put a loopback in its place (ppsync.bench.loopback)."""
+        self.platform = (platform if isinstance(platform, Platform)
+                         else platform_for(device, platform))
+        self.backend = backend
+        on_device = self.backend in ("nccl", "xccl")  # these take device tensors only
+        if on_device and config.codec != "device":  # before the handshake: nothing issued
+            raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
+                              f"group's backend {self.backend} needs codec = 'device'")
+        self.handshake: Handshake | None = Handshake(
+            config, group, rank=self.rank, device=self.platform.device if on_device else None)
+        """Issued at once; finished here, or by the caller (``wait_handshake``
+        False: an event loop awaits :meth:`handshake_work`, then calls
+        finish_handshake)."""
+        self.run_id = 0
+        """Agreed by every rank at the handshake; scopes the failure board."""
+        if wait_handshake:
+            self.finish_handshake()
+        self.codec: StepCodec = codec_for(config, self.platform, backend=self.backend,
+                                          rank=self.rank, src=self.src)
+        """Packs, checks and releases this path's frames (ppsync.core.frame.codec)."""
+        self.generations = GenerationTable(config.max_num_reqs)
+        self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
+        self.seq = 0  # frames issued on this group so far
+        self.steps = 0  # post/publish calls so far
+        self._tail_open = False  # receivers: consume() reserved a tail not yet posted
+        self._inflight = InFlight(config.depth)
+        self._waits = Waits(self.rank, config.timeout_s, self.board,
+                            lambda err, observed: self.failed(err, observed=observed))
+        self._closed = False
+        self._last_issued: tuple[int, dist.Work] | None = None
+        self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
+                                       depth=config.depth)
+        """This path's flight recorder (ppsync.core.recorder); see :meth:`dump`."""
+        register(self)
+
+    def finish_handshake(self) -> None:
+        """Check the start-up handshake (DesyncError if any rank's
+        configuration differs) and bind the board to the agreed run id.
+        Every other call needs it done."""
+        if self.handshake is None:
+            return
+        self.run_id = self.handshake.finish()
+        self.handshake = None
+        if self.board is not None:
+            self.board.bind_run(self.run_id)
+
+    @property
+    def clock(self) -> TransportClock | None:
+        """When set, collects the CPU time of issues and of real waits (a
+        benchmark's; see ppsync.core.transport.TransportClock)."""
+        return self._waits.clock
+
+    @clock.setter
+    def clock(self, clock: TransportClock | None) -> None:
+        self._waits.clock = clock
+
+    def _issue(self, buf: torch.Tensor) -> dist.Work:
+        clock = self._waits.clock
+        if clock is None:
+            return self.transport.issue(buf)
+        t0 = time.thread_time_ns()
+        try:
+            return self.transport.issue(buf)
+        finally:
+            clock.issue_ns += time.thread_time_ns() - t0
+
+    # -- the async contract (see the module docstring) -------------------
+
+    def handshake_work(self) -> dist.Work | None:
+        """The handshake's collective while :meth:`finish_handshake` is due."""
+        return None if self.handshake is None else self.handshake.work
+
+    def works_before_issue(self) -> list[dist.Work]:
+        """Works that the next send/consume would wait on synchronously (the
+        oldest beyond D in flight); an async caller awaits these first so the
+        call never blocks."""
+        return self._inflight.before_issue()
+
+    def work_before_consume(self) -> dist.Work | None:
+        """The work the next :meth:`consume` will wait on, or None when it will
+        not wait (an empty slot, or every row excluded)."""
+        if self.is_last or self._closed:
+            return None
+        head = self.ring.head()
+        if head is None or self._keep(head)[1] == 0:
+            return None
+        return head.work
+
+    def last_issued(self) -> tuple[int, dist.Work] | None:
+        """(seq, work) of the most recent collective issued; None before one."""
+        return self._last_issued
+
+    @property
+    def last_step(self) -> int:
+        """The 0-based number of the last post/publish call; -1 before one."""
+        return self.steps - 1
+
+    # -- shared ---------------------------------------------------------
+
+    @records_errors
+    def free(self, req_idx: int) -> None:
+        """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
+        self._check_open()
+        self.generations.bump(req_idx)
+        self.recorder.free(self.steps, req_idx, self.generations.generation(req_idx))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ProtocolError(f"rank {self.rank}: token path used after close()")
+        if self.handshake is not None:
+            raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
+                                "handshake finished (finish_handshake())")
+
+    def require_role(self, op: str, *, last: bool) -> None:
+        """Raise RoleError unless this rank is (``last``) or is not the last
+        rank; ProtocolError after close(). For adapters checking first."""
+        self._check_open()
+        if self.is_last != last:
+            raise role_error(op, rank=self.rank, pp_size=self.config.pp_size, last=last)
+
+    def _prune(self) -> None:
+        """Drop completed works; wait the oldest while more than D are held."""
+        self._inflight.prune(self._waits, self._completed)
+
+    def _completed(self, buf: torch.Tensor, work: dist.Work) -> None:
+        self.recorder.complete(work, self.steps)
+        self.codec.completed(buf)
+
+    def failed(
+        self, err: PPSyncError, *, settle: bool = True, observed: bool = True
+    ) -> PPSyncError:
+        """The error to raise for ``err``: the same type on every rank for one
+        cause, naming the culprit where the board knows it (see
+        ppsync.core.failures.named_failure); ``err`` itself without a board.
+        The error is recorded and, with a dump directory, dumped; its message
+        names the file."""
+        named = named_failure(err, self.board, rank=self.rank, settle=settle,
+                              observed=observed)
+        dump_on_error(self, named)
+        return named
+
+    def leave(self, reason: str) -> None:
+        """Tell the peers (on the board) that this rank left its token path
+        mid-run, e.g. its engine raised: their waits end at their next board
+        check, naming this rank, instead of at their timeout."""
+        if self.board is not None and not self.board.has_posted:
+            self.board.post("Left", reason)
+
+    def _checked(self, call: Callable[[], T]) -> T:
+        """``call()``, with a frame check's error raised as the path's own:
+        a DesyncError through the board; a BatchError (the last rank sent bad
+        values, found on the device) as it is, since every rank raises it
+        from the frame itself (the board would rename the cause)."""
+        try:
+            return call()
+        except DesyncError as e:
+            raise self.failed(e) from None
+        except BatchError as e:
+            dump_on_error(self, e)
+            raise
+    def _batch_facts(self, view: BatchView) -> BatchFacts:
+        """The batch's checked facts and need mask, as copies."""
+        return batch_facts(view, self.config.max_num_reqs)
+
+    def _frame_view(self, facts: BatchFacts, sample_width: int | None) -> FrameView:
+        """This rank's view of the frame it issues next."""
+        row_facts = facts.row_facts
+        return FrameView(self.seq, facts.need.shape[0],
+                         self.codec.frames.facts_digest(row_facts), facts.slot_need,
+                         facts.computed, sample_width, row_facts)
+
+    def _issued(self, work: dist.Work) -> None:
+        self._last_issued = (self.seq, work)
+        self.seq += 1
+    def _keep(self, head: PendingStep) -> tuple[np.ndarray, int]:
+        """([num_reqs] bool, their count): rows that needed a sample and whose
+        slot was not freed since the receive was posted (the usual step, with
+        no slot freed since: the need mask itself)."""
+        unchanged = self.generations.unchanged_since(head.idx_np, head.freed_mark)
+        if unchanged is None:
+            return head.need_np, head.needed
+        keep: np.ndarray = head.need_np & unchanged
+        return keep, int(np.count_nonzero(keep))
+    # -- lifecycle ----------------------------------------------------------
+
+    def close(self, *, drain: bool = True, reason: str | None = None) -> None:
+        """Stop using the group. With ``drain``, wait (bounded) for every
+        posted receive and issued send, so no peer is left mid-collective;
+        without, abandon them. Further calls raise ProtocolError.
+
+        Leaving with transfers abandoned, or with a ``reason`` (why this rank
+        leaves mid-run, e.g. "its engine raised ..."), tells the peers on the
+        board (:meth:`leave`) unless this rank already posted a failure."""
+        if self._closed:
+            return
+        try:
+            if drain:
+                for pending in self.ring.pending():
+                    self._waits.wait(pending.work,
+                                     f"draining receive of frame {pending.frame.seq}")
+                self._inflight.drain(self._waits)
+                self.recorder.drained(self.steps)
+                self._checked(lambda: self.codec.settle(all_=True))
+        finally:
+            abandoned = (any(not finished(s.work) for s in self.ring.pending())
+                         or self._inflight.abandoned())
+            self.ring.clear()
+            self._inflight.clear()
+            self._closed = True
+            if abandoned:
+                keep_until_exit(self.group)
+            if abandoned or reason is not None:
+                self.leave(reason or "closed with transfers in flight")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def dump(self, path: str | Path | None = None) -> Path:
+        """Write this path's flight record as JSON Lines (ppsync.schemas.dump)
+        to ``path``, or with None to its file in the dump directory (see
+        ppsync.core.dumps; ConfigError when none is set). Returns the file."""
+        return write_dump(self, dump_file(self, path), reason="request")

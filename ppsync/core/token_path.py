@@ -1,0 +1,193 @@
+"""The synchronous token path of one rank: mask, ring, generations and frame
+over one process group.
+
+Per engine step, on every rank and in this order:
+
+- receivers (every rank but the last): :meth:`TokenPath.consume` (releases
+  the step posted D steps ago), :meth:`TokenPath.free` for freed request slots,
+  then :meth:`TokenPath.post` with the new step's batch view; a step with an
+  empty schedule (no batch) skips ``post``, on every rank alike, and its ring
+  slot stays empty;
+- the last rank: :meth:`TokenPath.free` for freed slots, then
+  :meth:`TokenPath.publish` with the batch view and the sampler's outputs.
+
+Every input is checked before any collective is issued, so a bad call on one
+rank raises there and leaves the group usable. Every wait is bounded by
+``config.timeout_s``. What both roles share, and the contract an event loop
+relies on, is in ppsync.core.path_base; each rule applied lives in its own
+module (mask, ring, generations, checks, transport, liveness, waits,
+recorder), and what depends on the codec in the codec object.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ppsync.core.batch import BatchView
+from ppsync.core.checks import check_draft_target, check_sample_width
+from ppsync.core.dumps import records_errors
+from ppsync.core.frame.codec import StepDrafts
+from ppsync.core.path_base import PathBase, takes_args_of
+from ppsync.core.released import ReleasedStep
+from ppsync.core.steps import PendingStep, PreparedStep
+from ppsync.errors import BatchError, ProtocolError
+
+
+class TokenPath(PathBase):
+    """One rank's synchronous token path over ``group`` (the dedicated token
+    group: same ranks as the PP group, last group rank samples)."""
+
+    # -- last rank --------------------------------------------------------
+
+    @records_errors
+    def prepare(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,  # [num_reqs, w] int64, 1 <= w <= L
+        num_sampled: torch.Tensor,  # [num_reqs] int32
+        num_rejected: torch.Tensor,  # [num_reqs] int32
+        draft_tokens: torch.Tensor | None = None,  # [num_reqs, K] int64
+        *,
+        sample_width: int | None = None,
+    ) -> tuple[PreparedStep, StepDrafts | None]:
+        """Check one step's batch view, sampler outputs and (optional) drafts
+        (last rank); nothing is sent. Returns the prepared step and its
+        drafts as the codec keeps them (host codec: a host array; device
+        codec: the tensor). ``sample_width``: this step's width w (1..L;
+        tokens at most w wide), for engines that vary it per step.
+
+        Device codec: dtypes, shapes and the batch view are checked here; the
+        values of num_sampled / num_rejected are checked on the device, and a
+        bad one raises BatchError at the next call (see
+        ppsync.core.frame.device_codec)."""
+        self.require_role(self.names.publish, last=True)
+        self._checked(self.codec.settle)
+        check_sample_width(sample_width, self.config.sample_width)
+        facts = self._batch_facts(view)
+        return self.codec.prepare(view, facts, sampled_token_ids, num_sampled, num_rejected,
+                                  draft_tokens, sample_width)
+
+    @records_errors
+    def send(self, step: PreparedStep, drafts: StepDrafts | None = None) -> int:
+        """Broadcast a prepared step (``drafts``: [num_reqs, K] as prepare
+        returned them, or None). Returns the rows needing a sample; 0 means
+        the step had no transfer."""
+        self.require_role(self.names.publish, last=True)
+        if not isinstance(step, PreparedStep):
+            raise BatchError(f"step must be a PreparedStep from prepare(), got "
+                             f"{type(step).__name__}")
+        self._checked(self.codec.settle)
+        if drafts is not None:
+            drafts = self.codec.check_drafts(drafts, step.view.num_reqs)
+        self.steps += 1
+        facts = step.facts
+        needed = facts.needed
+        if needed == 0:
+            self.recorder.call(True, self.steps - 1, 0, step.view.num_reqs)
+            return 0
+        self._prune()
+        frame = self._frame_view(facts, step.sample_width)
+        buf, work, flags, checksum = self.codec.send(frame, step, drafts, self._issue)
+        self.recorder.issue(work, self.steps - 1, self.seq, 0, frame.num_reqs, needed,
+                            frame.idx_digest, checksum, flags)
+        self._inflight.add(buf, work)
+        self._issued(work)
+        return needed
+
+    @takes_args_of(prepare)
+    def publish(self, *args: Any, **kwargs: Any) -> int:
+        """Check and broadcast one step (last rank): :meth:`prepare` then
+        :meth:`send`. Returns the rows needing a sample; 0 means the step had
+        no transfer on any rank."""
+        return self.send(*self.prepare(*args, **kwargs))
+
+    # -- receivers --------------------------------------------------------
+
+    @records_errors
+    def post(
+        self, view: BatchView, *, expect_drafts: bool | None = None,
+        sample_width: int | None = None,
+    ) -> int:
+        """Post this step's receive into the ring's tail (non-last ranks).
+        Returns the rows needing a sample; 0 means no transfer this step.
+        ``expect_drafts``: whether the frame must carry drafts (a frame that
+        disagrees is a DesyncError at consume); ``sample_width``: the step's
+        width w (1..L), checked against the header and the width released."""
+        self.require_role(self.names.post, last=False)
+        check_sample_width(sample_width, self.config.sample_width)
+        if expect_drafts is not None and not isinstance(expect_drafts, bool):
+            raise BatchError(f"expect_drafts = {expect_drafts!r} must be a bool or None")
+        if not self._tail_open:
+            c, p = self.names.consume, self.names.post
+            raise ProtocolError(
+                f"rank {self.rank}: {p}() without a {c}() before it; each step is "
+                f"{c}() then {p}()"
+            )
+        # the facts are copies: the engine may refill its batch arrays before
+        # this step is consumed
+        facts = self._batch_facts(view)
+        needed = facts.needed
+        self._tail_open = False
+        self.steps += 1
+        if needed == 0:
+            self.recorder.call(False, self.steps - 1, self.ring.advanced, view.num_reqs)
+            return 0
+        frame = self._frame_view(facts, sample_width)
+        buf, staging, work = self.codec.post(frame, self._issue)
+        self.recorder.issue(work, self.steps - 1, self.seq, self.ring.advanced, frame.num_reqs,
+                            needed, frame.idx_digest, 0, 0)
+        self.ring.fill_tail(PendingStep(frame, facts.need, needed, facts.idx,
+                                        self.generations.mark(), buf, work, expect_drafts,
+                                        staging))
+        self._issued(work)
+        return needed
+    @records_errors
+    def consume(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
+        """Release the step posted D steps ago (non-last ranks).
+
+        Returns None for an empty slot, or when every row is excluded (then it
+        does not wait). Otherwise waits, at most timeout_s, for the transfer,
+        checks the header against this rank's view (DesyncError), and scatters
+        drafts into ``draft_tokens_to_update[slot]`` for kept rows only."""
+        self.require_role(self.names.consume, last=False)
+        # consume() again without a post() between: the step before had an empty
+        # schedule, so its reserved tail stays an empty slot (no transfer on any
+        # rank; a rank that posted where others did not is caught by the frame's
+        # seq and digest).
+        table = None
+        if draft_tokens_to_update is not None:
+            table = check_draft_target(
+                draft_tokens_to_update,
+                max_num_reqs=self.config.max_num_reqs,
+                num_drafts=self.config.num_speculative_steps,
+            )
+        self._prune()
+        # an earlier step's deferred verdict (device codec): raised before the
+        # ring moves, so this consume can be retried
+        self._checked(self.codec.settle)
+        head = self.ring.advance()
+        self._tail_open = True
+        if head is None:
+            return None
+        keep, kept = self._keep(head)
+        if kept == 0:
+            # Nothing to hand out: do not wait, but keep the buffer alive and
+            # the work watched until it completes.
+            self._inflight.add(head.buf, head.work)
+            self.codec.skip(head)
+            self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0, 0)
+            return None
+        wait_from_ns = time.monotonic_ns()
+        what = f"receive of frame {head.frame.seq}"
+
+        def wait(work: dist.Work) -> None:
+            self._waits.until_ended(work, what)
+
+        released = self._checked(
+            lambda: self.codec.release(head, keep, kept, table, wait, rank=self.rank))
+        self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, kept,
+                              wait_from_ns)
+        return released
