@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
@@ -172,6 +172,47 @@ def on_host(released: ReleasedStep) -> ReleasedStep:
         draft_tokens=None if drafts is None else drafts.cpu())
 
 
+Call = tuple[str, tuple[object, ...]]
+"""A call the engine loop asks its driver to make: (name, arguments); the
+names are ``sleep``, ``consume``, ``post`` and ``publish``."""
+
+
+def engine_steps(loop: StepLoop, path: TokenPath,
+                 device: torch.device | None) -> Generator[Call, object, None]:
+    """One rank's engine loop, written once for both drivers: yields each
+    call for the driver to make (synchronously or awaited) and receives its
+    result; the time spent in each token-path call is the step's latency."""
+    is_last = path.is_last
+    for t in range(loop.total_steps):
+        if loop.jitter_us:
+            yield "sleep", (loop.pause_s(),)
+        spent = 0
+        if not is_last:
+            t0 = time.perf_counter_ns()
+            released = yield "consume", (loop.table,)
+            spent = time.perf_counter_ns() - t0
+            assert released is None or isinstance(released, ReleasedStep)
+            loop.released(t, released)
+        step = loop.schedule(t, path)
+        if skips_call(t, step):
+            loop.sent(t, 0, spent)
+            continue
+        call: Call = (("publish", (step.view, *outputs(step, device))) if is_last
+                      else ("post", (step.view,)))
+        t0 = time.perf_counter_ns()
+        needed = yield call
+        assert isinstance(needed, int)
+        loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
+
+
+def next_call(steps: Generator[Call, object, None], result: object) -> Call | None:
+    """The loop's next call, given the last one's result; None at its end."""
+    try:
+        return steps.send(result)
+    except StopIteration:
+        return None
+
+
 def run_sync_rank(
     path: TokenPath,
     wcfg: WorkloadConfig,
@@ -185,30 +226,18 @@ def run_sync_rank(
     wraps each token-path call (the GPU check forbids host syncs there)."""
     device = path.codec.device if path.codec.on_device else None
     loop = StepLoop(wcfg, path.is_last, path.rank, jitter_us, progress, device)
-    for t in range(loop.total_steps):
-        if jitter_us:
-            time.sleep(loop.pause_s())
-        spent = 0
-        if not path.is_last:
-            t0 = time.perf_counter_ns()
-            with hot():
-                released = path.consume(loop.table)
-            spent = time.perf_counter_ns() - t0
-            loop.released(t, released)
-        step = loop.schedule(t, path)
-        if skips_call(t, step):
-            loop.sent(t, 0, spent)
+    calls: dict[str, Callable[..., object]] = {
+        "consume": path.consume, "post": path.post, "publish": path.publish}
+    steps = engine_steps(loop, path, device)
+    result: object = None
+    while (call := next_call(steps, result)) is not None:
+        name, args = call
+        if name == "sleep":
+            time.sleep(*args)  # type: ignore[arg-type]
+            result = None
             continue
-        if path.is_last:
-            sampled = outputs(step, device)
-            t0 = time.perf_counter_ns()
-            with hot():
-                needed = path.publish(step.view, *sampled)
-        else:
-            t0 = time.perf_counter_ns()
-            with hot():
-                needed = path.post(step.view)
-        loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
+        with hot():
+            result = calls[name](*args)
     path.close()
     return loop.report(path.rank)
 
@@ -226,25 +255,14 @@ async def run_async_rank(
     (``device``: the device codec's, where the engine's tensors live)."""
     async with open_rank(config, group, board=board, device=device) as rank:
         loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us, progress, device)
-        for t in range(loop.total_steps):
-            if jitter_us:
-                await anyio.sleep(loop.pause_s())
-            spent = 0
-            if not rank.is_last:
-                t0 = time.perf_counter_ns()
-                released = await rank.take(loop.table)
-                spent = time.perf_counter_ns() - t0
-                loop.released(t, released)
-            step = loop.schedule(t, rank.path)
-            if skips_call(t, step):
-                loop.sent(t, 0, spent)
-                continue
-            t0 = time.perf_counter_ns()
-            if rank.is_last:
-                needed = await rank.publish(step.view, *outputs(step, device))
-            else:
-                needed = await rank.post(step.view)
-            loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
+        calls: dict[str, Callable[..., Awaitable[object]]] = {
+            "sleep": anyio.sleep, "consume": rank.take, "post": rank.post,
+            "publish": rank.publish}
+        steps = engine_steps(loop, rank.path, device)
+        result: object = None
+        while (call := next_call(steps, result)) is not None:
+            name, args = call
+            result = await calls[name](*args)
     return loop.report(rank.rank)
 
 
