@@ -1,9 +1,11 @@
 """Issuing the token path's collective and waiting on it with a deadline.
 
 Gloo reports a silent peer as ``RuntimeError('... timed out ...')`` and a dead
-one as a connection error within milliseconds; both become ppsync's typed
-errors here so that an engine never sees a bare RuntimeError or an endless
-wait.
+one as a connection error within milliseconds (plain RuntimeErrors, seen on
+torch 2.13); torch's typed errors (``DistNetworkError``, ``DistStoreError``,
+``DistBackendError``) come from other backends and the store. All become
+ppsync's typed errors here, so that an engine never sees a bare
+RuntimeError or an endless wait.
 """
 
 from __future__ import annotations
@@ -71,15 +73,34 @@ def broadcast_async(buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> di
 
 
 def translate(exc: BaseException, *, what: str, timeout_s: float, peer: int | None) -> PPSyncError:
-    """Map a torch.distributed failure to SyncTimeout or PeerLost."""
+    """Map a torch.distributed failure to SyncTimeout or PeerLost: torch's
+    typed errors first (DistNetworkError: a connection failed;
+    DistStoreError: the store did not answer in time), then, for what
+    carries no type of its own (gloo raises plain RuntimeErrors; NCCL's
+    DistBackendError covers timeouts and faults alike), the message."""
     text = str(exc)
+    if isinstance(exc, dist.DistNetworkError):
+        return _lost(f"{what}: {_who(peer)} is gone ({text})", peer)
+    if isinstance(exc, dist.DistStoreError):
+        return _timed_out(what, timeout_s, text)
     low = text.lower()
     if "timed out" in low or "timeout" in low:
-        return SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s} ({text})")
+        return _timed_out(what, timeout_s, text)
     if any(m in low for m in _LOST_MARKERS):
-        who = f"peer rank {peer}" if peer is not None else "a peer rank"
-        return PeerLost(f"{what}: {who} is gone ({text})", peer=peer)
-    return PeerLost(f"{what}: transfer failed ({text})", peer=peer)
+        return _lost(f"{what}: {_who(peer)} is gone ({text})", peer)
+    return _lost(f"{what}: transfer failed ({text})", peer)
+
+
+def _who(peer: int | None) -> str:
+    return f"peer rank {peer}" if peer is not None else "a peer rank"
+
+
+def _lost(message: str, peer: int | None) -> PeerLost:
+    return PeerLost(message, peer=peer)
+
+
+def _timed_out(what: str, timeout_s: float, text: str) -> SyncTimeout:
+    return SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s} ({text})")
 
 
 def _future(work: dist.Work) -> torch.futures.Future[object] | None:
