@@ -273,13 +273,13 @@ class PathBase:
         if self.board is not None and not self.board.has_posted:
             self.board.post("Left", reason)
 
-    def _checked(self, call: Callable[[], T]) -> T:
+    def _checked(self, call: Callable[..., T], *args: object) -> T:
         """``call()``, with a frame check's error raised as the path's own:
         a DesyncError through the board; a BatchError (the last rank sent bad
         values, found on the device) as it is, since every rank raises it
         from the frame itself (the board would rename the cause)."""
         try:
-            return call()
+            return call(*args)
         except DesyncError as e:
             raise self.failed(e) from None
         except BatchError as e:
@@ -327,7 +327,7 @@ class PathBase:
                                      f"draining receive of frame {pending.frame.seq}")
                 self._inflight.drain(self._waits)
                 self.recorder.drained(self.steps)
-                self._checked(lambda: self.codec.settle(all_=True))
+                self._checked(self.codec.settle, True)
         finally:
             abandoned = (any(not finished(s.work) for s in self.ring.pending())
                          or self._inflight.abandoned())

@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target, check_sample_width
@@ -64,7 +63,7 @@ class TokenPath(PathBase):
         bad one raises BatchError at the next call (see
         ppsync.core.frame.device_codec)."""
         self.require_role(self.names.publish, last=True)
-        self._checked(self.codec.settle)
+        self.codec.settle()  # a sent step's deferred verdict (device codec)
         check_sample_width(sample_width, self.config.sample_width)
         facts = self._batch_facts(view)
         return self.codec.prepare(view, facts, sampled_token_ids, num_sampled, num_rejected,
@@ -79,7 +78,7 @@ class TokenPath(PathBase):
         if not isinstance(step, PreparedStep):
             raise BatchError(f"step must be a PreparedStep from prepare(), got "
                              f"{type(step).__name__}")
-        self._checked(self.codec.settle)
+        self.codec.settle()
         if drafts is not None:
             drafts = self.codec.check_drafts(drafts, step.view.num_reqs)
         self.steps += 1
@@ -181,13 +180,8 @@ class TokenPath(PathBase):
             self.recorder.consume(head.frame, self.steps, self.ring.advanced, None, 0, 0)
             return None
         wait_from_ns = time.monotonic_ns()
-        what = f"receive of frame {head.frame.seq}"
-
-        def wait(work: dist.Work) -> None:
-            self._waits.until_ended(work, what)
-
-        released = self._checked(
-            lambda: self.codec.release(head, keep, kept, table, wait, rank=self.rank))
+        released = self._checked(self.codec.release, head, keep, kept, table,
+                                 self._waits.for_receive, self.rank)
         self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, kept,
                               wait_from_ns)
         return released

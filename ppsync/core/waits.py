@@ -113,10 +113,10 @@ class Waits:
         wait_bounded(work, f"rank {self.rank}: {what}", timeout_s=self.timeout_s,
                      board=self.board, failed=self.failed)
 
-    def until_ended(self, work: dist.Work, what: str) -> None:
-        """:meth:`wait`, skipped when the work already ended well."""
+    def for_receive(self, work: dist.Work, seq: int) -> None:
+        """:meth:`wait` for frame ``seq``'s receive, unless it already ended well."""
         if not ended_ok(work):
-            self.wait(work, what)
+            self.wait(work, f"receive of frame {seq}")
 
 
 class InFlight:

@@ -36,8 +36,9 @@ the codec's device (device codec), as :meth:`StepCodec.prepare` returns them."""
 Issue = Callable[[torch.Tensor], dist.Work]
 """Issues a frame's collective; never blocks."""
 
-Wait = Callable[[dist.Work], None]
-"""Returns once a work completed (bounded; raises the path's error)."""
+Wait = Callable[[dist.Work, int], None]
+"""(work, seq): returns once frame seq's receive completed (bounded; raises
+the path's error)."""
 
 
 class StepCodec(Protocol):
@@ -53,7 +54,7 @@ class StepCodec(Protocol):
     buffers: BufferPool
     """Where this codec's frame buffers come from."""
 
-    def settle(self, *, all_: bool = False) -> None:
+    def settle(self, all_: bool = False) -> None:
         """Read the verdicts of steps whose event completed (every one with
         ``all_``, after a drain); raise the first bad one's BatchError or
         DesyncError. The host codec defers nothing."""
@@ -77,7 +78,7 @@ class StepCodec(Protocol):
         """Issue one receive; (buffer, staging or None, work)."""
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
-                table: torch.Tensor | None, wait: Wait, *, rank: int) -> ReleasedStep:
+                table: torch.Tensor | None, wait: Wait, rank: int) -> ReleasedStep:
         """Wait for ``head``'s frame, check it and hand out its kept rows
         (``keep`` [num_reqs] bool, ``kept`` of them); scatter kept drafts
         into ``table``."""

@@ -108,7 +108,7 @@ class DeviceCodec:
     def _verdict(self, staging: torch.Tensor) -> torch.Tensor:
         return staging[-1:]
 
-    def settle(self, *, all_: bool = False) -> None:
+    def settle(self, all_: bool = False) -> None:
         """Read the verdicts of steps whose event completed (all of them with
         ``all_``, after a drain); raise the first bad one's error."""
         while self.unread and (all_ or self.unread[0].event.query()):
@@ -198,7 +198,7 @@ class DeviceCodec:
         return buf, staging, work
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
-                table: torch.Tensor | None, wait: Wait, *, rank: int) -> ReleasedStep:
+                table: torch.Tensor | None, wait: Wait, rank: int) -> ReleasedStep:
         """Check the frame and hand out device tensors (the main stream waits
         on the step's event). The step's own verdict is read now if its event
         completed, else at the next call (the token path settles earlier
@@ -221,7 +221,7 @@ class DeviceCodec:
             if self.stream_ordered:
                 work.wait()  # device-side
             else:
-                wait(work)  # gloo: bounded host wait; its future syncs the side stream
+                wait(work, frame.seq)  # gloo: bounded host wait; its future syncs the side stream
             staged = staging[: at.view_words(n)]
             verdict = codec.check(buf, staged, n, w)
             # [3 * R]: idx_out, kept_slots, kept_rows (see Staging)

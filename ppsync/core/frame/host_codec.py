@@ -39,7 +39,7 @@ class HostCodec:
         self.device = torch.device("cpu")
         self.buffers = BufferPool(self.frames)
 
-    def settle(self, *, all_: bool = False) -> None:
+    def settle(self, all_: bool = False) -> None:
         """Nothing is deferred: every value was checked before its send."""
 
     # -- last rank --------------------------------------------------------
@@ -84,12 +84,12 @@ class HostCodec:
         return buf, None, issue(buf)
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
-                table: torch.Tensor | None, wait: Wait, *, rank: int) -> ReleasedStep:
+                table: torch.Tensor | None, wait: Wait, rank: int) -> ReleasedStep:
         """Check ``head``'s received frame against this rank's view
         (DesyncError) and read it out. Everything handed out is the caller's
         own: copies of the frame buffer (recycled once this returns) and the
         posted step's own idx copy."""
-        wait(head.work)
+        wait(head.work, head.frame.seq)
         released = _read_out(self.frames, head, keep, kept, table, rank=rank)
         self.buffers.give(head.buf)  # everything released was copied out
         return released

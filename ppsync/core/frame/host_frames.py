@@ -79,7 +79,8 @@ class FrameCodec(FrameLayout):
         rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
         # one C call, cheaper than numpy's tuple assignment: native int64
         # words, as the buffer's own
-        _HEAD.pack_into(buf_np, 0, *view.header_words(self, flags))  # type: ignore[arg-type]
+        _HEAD.pack_into(buf_np, 0, MAGIC | FRAME_FORMAT_VERSION, view.seq, n,  # type: ignore[arg-type]
+                        view.width(self), self.num_drafts, flags, view.idx_digest)
         checksum = self.checksum(buf_np, n)
         buf_np[_H_CSUM] = checksum
         return flags, checksum
