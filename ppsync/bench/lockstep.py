@@ -51,7 +51,7 @@ from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import PPSyncError
-from ppsync.services.completion import completed
+from ppsync.services.completion import await_work
 from ppsync.services.runtime import Rank, open_rank
 
 VARIANTS = ("a_raw_frame", "b_seeds", "c_ppsync_sync", "d_ppsync_async")
@@ -148,7 +148,7 @@ class _Lockstep:
             await rank.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
             issued = rank.path.last_issued()
             assert issued is not None
-            await completed(issued[1], timeout_s=self.config.timeout_s,
+            await await_work(issued[1], timeout_s=self.config.timeout_s,
                             what=self._what("d send"), peer=None)
             return
         await rank.post(s.view)

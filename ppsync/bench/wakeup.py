@@ -3,7 +3,7 @@
     python -m ppsync.bench.wakeup [--iters 4000] [--block 100] [--backend asyncio]
 
 Two local gloo ranks ping-pong a small broadcast (rank 0 sends, then rank 1),
-each rank awaiting every transfer with ``ppsync.services.completion.completed``
+each rank awaiting every transfer with ``ppsync.services.completion.await_work``
 on its event loop. Blocks of ``--block`` round trips alternate between the
 inline wait off (``INLINE_WAIT_S = 0``: every pending wait is handed to the
 loop by the done-callback) and on (the module's bound). Prints the median µs
@@ -56,7 +56,7 @@ def _rank(iters: int, block: int, backend: str, bound_s: float, env: RankEnv) ->
             for _ in range(block):
                 for src in (0, 1):
                     work = broadcast_async(buf, src, group)
-                    await completion.completed(work, timeout_s=TIMEOUT_S, what="bench: ping",
+                    await completion.await_work(work, timeout_s=TIMEOUT_S, what="bench: ping",
                                                peer=src)
             per[mode[0]].append((now() - t0) / (2 * block) / 1e3)
 

@@ -48,7 +48,7 @@ from ppsync.core.recorder import FlightRecorder
 from ppsync.core.ring import SlotRing
 from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
-from ppsync.core.transport import Broadcaster, TransportClock, finished
+from ppsync.core.transport import Broadcaster, TransportClock, has_ended
 from ppsync.core.waits import InFlight, Waits, named_failure
 from ppsync.errors import (
     BatchError,
@@ -251,7 +251,7 @@ class PathBase:
 
     def _completed(self, buf: torch.Tensor, work: dist.Work) -> None:
         self.recorder.complete(work, self.steps)
-        self.codec.completed(buf)
+        self.codec.reuse(buf)
 
     def failed(
         self, err: PPSyncError, *, settle: bool = True, observed: bool = True
@@ -329,7 +329,7 @@ class PathBase:
                 self.recorder.drained(self.steps)
                 self._checked(self.codec.settle, True)
         finally:
-            abandoned = (any(not finished(s.work) for s in self.ring.pending())
+            abandoned = (any(not has_ended(s.work) for s in self.ring.pending())
                          or self._inflight.abandoned())
             self.ring.clear()
             self._inflight.clear()

@@ -111,7 +111,7 @@ def _future(work: dist.Work) -> torch.futures.Future[object] | None:
         return None
 
 
-def finished(work: dist.Work) -> bool:
+def has_ended(work: dist.Work) -> bool:
     """Whether ``work`` has ended (completed or failed), judged by its future.
 
     torch marks a gloo work's future done, and runs its callbacks, before the
@@ -122,7 +122,7 @@ def finished(work: dist.Work) -> bool:
     return done
 
 
-def ended_ok(work: dist.Work) -> bool:
+def ended_well(work: dist.Work) -> bool:
     """True when ``work`` has ended without an error, settled as
     :func:`wait_work` would settle it (its future's ``wait``, which for device
     tensors also orders the current stream after the transfer); False when
@@ -140,7 +140,7 @@ def ended_ok(work: dist.Work) -> bool:
 
 def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost.
-    Never blocks once :func:`finished` says the work ended."""
+    Never blocks once :func:`has_ended` says the work ended."""
     try:
         fut = _future(work)
         if fut is not None and fut.done():

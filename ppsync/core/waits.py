@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
-from ppsync.core.transport import TransportClock, ended_ok, finished, wait_work
+from ppsync.core.transport import TransportClock, ended_well, has_ended, wait_work
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
 Failed = Callable[[PPSyncError, bool], PPSyncError]
@@ -46,7 +46,7 @@ def board_slices(what: str, *, timeout_s: float, board: FailureBoard | None,
             raise Relayed(f"{what}: another rank reported a failure")
 
 
-def wait_bounded(work: dist.Work, what: str, *, timeout_s: float,
+def wait_on_board(work: dist.Work, what: str, *, timeout_s: float,
                  board: FailureBoard | None, failed: Failed) -> None:
     """Wait for ``work`` at most ``timeout_s``; a failure (its own, a
     timeout, or one another rank posted) raises ``failed(error, observed)``."""
@@ -99,8 +99,8 @@ class Waits:
         """When set, collects the CPU time of real waits."""
 
     def wait(self, work: dist.Work, what: str) -> None:
-        """Wait at most timeout_s (see :func:`wait_bounded`)."""
-        if self.clock is None or finished(work):
+        """Wait at most timeout_s (see :func:`wait_on_board`)."""
+        if self.clock is None or has_ended(work):
             self._wait(work, what)
             return
         t0 = time.thread_time_ns()
@@ -110,12 +110,12 @@ class Waits:
             self.clock.wait_ns += time.thread_time_ns() - t0
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        wait_bounded(work, f"rank {self.rank}: {what}", timeout_s=self.timeout_s,
+        wait_on_board(work, f"rank {self.rank}: {what}", timeout_s=self.timeout_s,
                      board=self.board, failed=self.failed)
 
     def for_receive(self, work: dist.Work, seq: int) -> None:
         """:meth:`wait` for frame ``seq``'s receive, unless it already ended well."""
-        if not ended_ok(work):
+        if not ended_well(work):
             self.wait(work, f"receive of frame {seq}")
 
 
@@ -144,8 +144,8 @@ class InFlight:
         works = self._works
         while works:
             buf, work = works[0]
-            if not ended_ok(work):
-                if len(works) <= self.depth and not finished(work):
+            if not ended_well(work):
+                if len(works) <= self.depth and not has_ended(work):
                     break
                 waits.wait(work, "earlier transfer")  # waits, or raises its failure
             works.popleft()
@@ -158,7 +158,7 @@ class InFlight:
 
     def abandoned(self) -> bool:
         """Whether a work is still pending."""
-        return any(not finished(w) for _, w in self._works)
+        return any(not has_ended(w) for _, w in self._works)
 
     def clear(self) -> None:
         self._works.clear()

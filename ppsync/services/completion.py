@@ -2,7 +2,7 @@
 
 Gloo completes work on its own threads. Handing each wait to a worker thread
 costs a large share of a step, and polling starves gloo's threads
-(docs/measured.md). So: check :func:`finished`
+(docs/measured.md). So: check :func:`has_ended`
 first (in the pipelined flow a slot's transfer has usually completed by the
 time it is consumed, D steps later, and then nothing wakes at all); otherwise
 register a done-callback on the work's future that hands ``Event.set`` to the
@@ -17,7 +17,7 @@ the loop thread first waits inline, at most ``INLINE_WAIT_S`` (50 µs), on a
 GIL (no polling, which would starve gloo's threads). Done within the bound:
 no hand-off at all. Otherwise the loop awaits as before, and the callback
 wakes it. So the loop thread is blocked at most ``INLINE_WAIT_S`` per
-:func:`completed` call, once (tests/services/test_async_inline_wait.py counts
+:func:`await_work` call, once (tests/services/test_async_inline_wait.py counts
 the inline waits and their bounds on a real run).
 
 A torch future's ``add_done_callback`` runs the callback at once, in the
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import finished, wait_work
+from ppsync.core.transport import has_ended, wait_work
 from ppsync.core.waits import Relayed, board_slices
 from ppsync.errors import PPSyncError
 
@@ -61,7 +61,7 @@ EXIT_GRACE_S = 2.0
 
 INLINE_WAIT_S = 50e-6
 """Longest the loop thread waits inline (blocked) for a pending transfer
-before handing the wait to the loop; once per :func:`completed` call."""
+before handing the wait to the loop; once per :func:`await_work` call."""
 
 
 def inline_wait(flag: threading.Event, bound_s: float) -> bool:
@@ -77,7 +77,7 @@ def _settle_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
     """Wait (bounded, polling: the loop is gone) until no remembered work is
     pending, so none can run its callback while the interpreter finalizes."""
     deadline = time.monotonic() + grace_s
-    while not all(finished(w) for w in _with_callback.values()):
+    while not all(has_ended(w) for w in _with_callback.values()):
         if time.monotonic() >= deadline:
             return
         time.sleep(0.005)
@@ -88,7 +88,7 @@ def _remember(work: dist.Work) -> None:
     if not _with_callback:
         atexit.unregister(_settle_at_exit)  # registered once at a time
         atexit.register(_settle_at_exit)
-    for key in [k for k, w in _with_callback.items() if finished(w)]:
+    for key in [k for k, w in _with_callback.items() if has_ended(w)]:
         del _with_callback[key]
     _with_callback[id(work)] = work
 
@@ -110,7 +110,7 @@ def _loop_waker(event: anyio.Event) -> Callable[[], None]:
     return wake
 
 
-async def completed(
+async def await_work(
     work: dist.Work,
     *,
     timeout_s: float,
@@ -124,7 +124,7 @@ async def completed(
 
     Cancellation leaves the work untouched (it still completes in the
     background and its owner keeps its buffer alive)."""
-    if not finished(work):
+    if not has_ended(work):
         event = anyio.Event()
         if not _ended_inline(work, _loop_waker(event)):
             await _woken(event, timeout_s=timeout_s, what=what, board=board)
@@ -169,11 +169,11 @@ def _ended_inline(work: dist.Work, wake: Callable[[], None]) -> bool:
     return ended or flag.is_set()
 
 
-async def path_completed(path: TokenPath, work: dist.Work, what: str) -> None:
-    """:func:`completed` for one of ``path``'s transfers; a failure is posted
+async def await_path_work(path: TokenPath, work: dist.Work, what: str) -> None:
+    """:func:`await_work` for one of ``path``'s transfers; a failure is posted
     on the path's board and re-raised naming the lost peers."""
     try:
-        await completed(
+        await await_work(
             work, timeout_s=path.config.timeout_s, what=f"rank {path.rank}: {what}",
             peer=None, board=path.board,
         )

@@ -8,7 +8,7 @@ rank. Each step's :class:`~ppsync.schemas.StepRecord` is kept as the values
 the core checked and built (and validated) only when ``last_record`` is
 read: a pydantic model per step would cost the hot path for nothing.
 Nothing here blocks the loop: every wait goes through
-:func:`ppsync.services.completion.completed`.
+:func:`ppsync.services.completion.await_work`.
 
 One task per rank calls a service's methods, in the engine order of
 ``ppsync.core.token_path``.
@@ -29,7 +29,7 @@ from ppsync.core.path_base import role_error, takes_args_of
 from ppsync.core.released import ReleasedStep
 from ppsync.core.token_path import TokenPath
 from ppsync.schemas.records import StepRecord
-from ppsync.services.completion import path_completed
+from ppsync.services.completion import await_path_work
 from ppsync.services.watcher import Issued, Watcher
 
 
@@ -75,7 +75,7 @@ class _Service:
     async def _before_issue(self) -> None:
         """Await (not block on) any work the core would otherwise wait on."""
         for work in self.path.works_before_issue():
-            await path_completed(self.path, work, "earlier transfer")
+            await await_path_work(self.path, work, "earlier transfer")
 
     async def _watch_last_issue(self) -> None:
         issued = self.path.last_issued()
@@ -142,5 +142,5 @@ class ReceiveService(_Service):
         await self._before_issue()
         work = self.path.work_before_consume()
         if work is not None:
-            await path_completed(self.path, work, "receive at the ring's head")
+            await await_path_work(self.path, work, "receive at the ring's head")
         return self.path.consume(draft_tokens_to_update)

@@ -43,7 +43,7 @@ from ppsync.core.steps import CallNames
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import PeerLost, PPSyncError
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.completion import completed
+from ppsync.services.completion import await_work
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 
 SERVICE_NAMES = CallNames(consume="take", post="post", publish="publish")
@@ -138,7 +138,7 @@ async def open_rank(
         # the peers may take seconds to arrive: await the handshake, never block on it
         work = path.handshake_work()
         assert work is not None  # wait_handshake=False: finish_handshake is due
-        await completed(work, timeout_s=config.timeout_s,
+        await await_work(work, timeout_s=config.timeout_s,
                         what=f"rank {path.rank}: configuration handshake", peer=None)
         path.finish_handshake()
     except BaseException:

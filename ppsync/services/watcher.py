@@ -24,8 +24,8 @@ import torch.distributed as dist
 from anyio.abc import TaskStatus
 
 from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import finished
-from ppsync.services.completion import path_completed
+from ppsync.core.transport import has_ended
+from ppsync.services.completion import await_path_work
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class Watcher:
         transfer raises here). Never waits for an incomplete transfer."""
         self._pending.append(item)
         self._issued += 1
-        while self._pending and finished(self._pending[0].work):
+        while self._pending and has_ended(self._pending[0].work):
             await self._done(self._pending.popleft())
         if self._pending and not self._wake.is_set():
             self._wake.set()
@@ -65,7 +65,7 @@ class Watcher:
     async def _done(self, item: Issued) -> None:
         """Returns at once for a completed transfer, or raises its error;
         awaits an incomplete one by notification."""
-        await path_completed(self.path, item.work, f"transfer of frame {item.seq}")
+        await await_path_work(self.path, item.work, f"transfer of frame {item.seq}")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Watch until :meth:`close`, then drain what was issued."""

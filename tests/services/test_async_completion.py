@@ -1,4 +1,4 @@
-"""``ppsync.services.completion.completed`` on real gloo work, on asyncio and trio.
+"""``ppsync.services.completion.await_work`` on real gloo work, on asyncio and trio.
 
 - A work that has already completed returns without awaiting anything: run
   inside an already-cancelled scope, it still returns (any checkpoint would
@@ -24,7 +24,7 @@ from ppsync.core.transport import broadcast_async
 from ppsync.errors import SyncTimeout
 from ppsync.harness.driver import Backend
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.services.completion import completed
+from ppsync.services.completion import await_work
 
 TIMEOUT_S = 10.0
 
@@ -43,8 +43,8 @@ async def _returns_without_waiting(work: dist.Work) -> bool:
     reached = False
     with anyio.CancelScope() as scope:
         scope.cancel()
-        await completed(work, timeout_s=1.0, what="rank 0: test broadcast", peer=None)
-        reached = True  # only if completed() never reached a checkpoint
+        await await_work(work, timeout_s=1.0, what="rank 0: test broadcast", peer=None)
+        reached = True  # only if await_work() never reached a checkpoint
     return reached and not scope.cancelled_caught
 
 
@@ -88,13 +88,13 @@ async def _three_waits(work: dist.Work, buf: torch.Tensor) -> Waits:
     what, peer = "rank 0: test receive", 1
     timeout = ("", "")
     try:
-        await completed(work, timeout_s=SHORT_S, what=what, peer=peer)
+        await await_work(work, timeout_s=SHORT_S, what=what, peer=peer)
     except SyncTimeout as e:
         timeout = (type(e).__name__, str(e))
     with anyio.move_on_after(0.1):
-        await completed(work, timeout_s=TIMEOUT_S, what=what, peer=peer)
+        await await_work(work, timeout_s=TIMEOUT_S, what=what, peer=peer)
     pending = not work.is_completed()
-    await completed(work, timeout_s=TIMEOUT_S, what=what, peer=peer)
+    await await_work(work, timeout_s=TIMEOUT_S, what=what, peer=peer)
     return Waits(timeout, pending, time.perf_counter() - start, buf.tolist())
 
 

@@ -86,7 +86,7 @@ class StepCodec(Protocol):
     def skip(self, head: PendingStep) -> None:
         """``head`` is released with no row kept: its frame is never read."""
 
-    def completed(self, buf: torch.Tensor) -> None:
+    def reuse(self, buf: torch.Tensor) -> None:
         """``buf``'s transfer completed and nothing reads it any more."""
 
 

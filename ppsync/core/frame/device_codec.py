@@ -102,7 +102,7 @@ class DeviceCodec:
         if head.staging is not None:
             self._staging.append(head.staging)
 
-    def completed(self, buf: torch.Tensor) -> None:
+    def reuse(self, buf: torch.Tensor) -> None:
         """Device frames are not reused."""
 
     def _verdict(self, staging: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ class HostCodec:
     def skip(self, head: PendingStep) -> None:
         """Nothing to give back: the buffer returns once its transfer completed."""
 
-    def completed(self, buf: torch.Tensor) -> None:
+    def reuse(self, buf: torch.Tensor) -> None:
         self.buffers.give(buf)
 
 
