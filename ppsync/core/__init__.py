@@ -5,6 +5,7 @@ recorder and its dumps, and the token path that combines them."""
 
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
+from ppsync.core.batch.mask import need_sampled_mask
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.frame import FrameView
 from ppsync.core.frame.codec import StepCodec
@@ -13,7 +14,6 @@ from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import pipeline_layout, token_group, token_groups
 from ppsync.core.liveness import FailureBoard
-from ppsync.core.mask import need_sampled_mask
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.released import ReleasedStep

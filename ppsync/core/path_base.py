@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
+from ppsync.core.batch.facts import BatchFacts, batch_facts
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
-from ppsync.core.facts import BatchFacts, batch_facts
 from ppsync.core.frame.codec import StepCodec, codec_for
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.facts import BatchFacts
+from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.frame import FrameView
 
 

@@ -11,7 +11,7 @@ together: the microbatching a PP engine does.
 Every value the last rank "samples" is a pure function of (request, position),
 so every rank can check each delivered row exactly (``ppsync.harness.checker``).
 The workload's own rule for which rows sample is written independently of
-``ppsync.core.mask`` so that each checks the other.
+``ppsync.core.batch.mask`` so that each checks the other.
 """
 
 from __future__ import annotations

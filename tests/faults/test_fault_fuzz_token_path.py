@@ -71,7 +71,7 @@ from fault_tools import watchdog
 from hypothesis import strategies as st
 
 from ppsync.core.batch import BatchView
-from ppsync.core.facts import batch_facts
+from ppsync.core.batch.facts import batch_facts
 from ppsync.core.groups import token_group
 from ppsync.core.steps import PreparedStep
 from ppsync.core.token_path import TokenPath

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ppsync.core.batch import validate_batch
-from ppsync.core.mask import need_sampled_mask
+from ppsync.core.batch.mask import need_sampled_mask
 from ppsync.harness.workload import (
     SALT_DRAFT,
     ScheduledStep,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.facts import BatchFacts
+from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.platform import Platform

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
+from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.checks import check_sampled_meta, check_step_drafts_meta, check_width_fits
-from ppsync.core.facts import BatchFacts
 from ppsync.core.frame.codec import Issue, StepDrafts, Wait
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
+from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.checks import (
     check_drafts_array,
     check_sampled,
     check_step_drafts,
     check_width_fits,
 )
-from ppsync.core.facts import BatchFacts
 from ppsync.core.frame.codec import Issue, StepDrafts, Wait
 from ppsync.core.frame.host_frames import FrameCodec, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, BufferPool, FrameView

@@ -33,7 +33,7 @@ class FrameCodec(FrameLayout):
 
     def facts_digest(self, facts_np: np.ndarray) -> int:
         """Digest of a step's row facts, [2, num_reqs] int64 (slot_need then
-        num_computed_tokens, see ppsync.core.facts): the token path's
+        num_computed_tokens, see ppsync.core.batch.facts): the token path's
         idx_digest, in one dot product. It covers each row's request slot,
         need bit and computed count, so views that differ in any give
         different digests (the rows themselves are then compared to name the

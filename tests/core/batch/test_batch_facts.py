@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ppsync.core.batch import BatchView, validate_batch
-from ppsync.core.facts import batch_facts
+from ppsync.core.batch.facts import batch_facts
+from ppsync.core.batch.mask import need_sampled_mask
 from ppsync.core.frame import slot_need_words
-from ppsync.core.mask import need_sampled_mask
 from ppsync.errors import BatchError
 
 M = 16

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ppsync.core.batch import BatchView
-from ppsync.core.mask import need_sampled_mask
+from ppsync.core.batch.mask import need_sampled_mask
 
 
 def _view(

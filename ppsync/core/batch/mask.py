@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppsync.core.batch import BatchView
+from ppsync.core.batch.view import BatchView
 
 
 def need_sampled_mask(view: BatchView) -> np.ndarray:

@@ -1,5 +1,5 @@
 """One pass over a step's batch view: the checks of ppsync.core.batch, the
-need mask of rule 1 (ppsync.core.mask) and the frame's per-row facts, in one
+need mask of rule 1 (ppsync.core.batch.mask) and the frame's per-row facts, in one
 int64 copy the token path keeps.
 
 A numpy call costs about the same whatever its size at these row counts
@@ -17,13 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ppsync.core.batch import (
-    COUNT_LIMIT,
-    BatchView,
-    check_view_shapes,
-    validate_batch,
-)
-from ppsync.core.mask import need_sampled_mask
+from ppsync.core.batch.mask import need_sampled_mask
+from ppsync.core.batch.validate import COUNT_LIMIT, check_view_shapes, validate_batch
+from ppsync.core.batch.view import BatchView
 
 _U64 = np.dtype(np.uint64)
 
@@ -60,7 +56,7 @@ class BatchFacts:
 
 def batch_facts(view: BatchView, max_num_reqs: int) -> BatchFacts:
     """:func:`~ppsync.core.batch.validate_batch`,
-    :func:`~ppsync.core.mask.need_sampled_mask` and the slot_need words, in
+    :func:`~ppsync.core.batch.mask.need_sampled_mask` and the slot_need words, in
     one pass (see the module's text). A view with the optional max_seq_len /
     is_prefilling arrays takes the two functions as they are."""
     check_view_shapes(view, max_num_reqs)
