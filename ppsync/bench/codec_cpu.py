@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.loopback import LoopbackLink
-from ppsync.bench.model import BenchOptions, pct_us
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
+from ppsync.bench.stats import pct_us
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
+from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.config import CodecName, SyncConfig
 
 CODECS: tuple[CodecName, ...] = ("host", "device")

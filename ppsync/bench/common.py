@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
-from ppsync.bench.model import BenchOptions
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.transport import broadcast_async, wait_work
+from ppsync.schemas.bench import BenchOptions
 
 now = time.perf_counter_ns  # CLOCK_MONOTONIC: one clock for every rank process
 cpu_now = time.thread_time_ns  # this thread's CPU time: immune to preemption on a busy machine

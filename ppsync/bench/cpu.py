@@ -14,9 +14,10 @@ import numpy as np
 import torch.distributed as dist
 
 from ppsync.bench.common import cpu_now
-from ppsync.bench.model import BenchOptions, pct_us
+from ppsync.bench.stats import pct_us
 from ppsync.core.frame import FrameView
 from ppsync.core.recorder import FlightRecorder
+from ppsync.schemas.bench import BenchOptions
 
 
 def recorder_cpu(opts: BenchOptions, *, iters: int = 20000, block: int = 50) -> dict[str, float]:

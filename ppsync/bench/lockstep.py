@@ -45,7 +45,7 @@ from ppsync.bench.common import (
     world_max,
     world_start,
 )
-from ppsync.bench.model import overdue_within
+from ppsync.bench.stats import overdue_within
 from ppsync.core.frame import FrameView
 from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.token_path import TokenPath

@@ -39,7 +39,7 @@ from ppsync.bench.common import (
     spin_ns,
     world_barrier,
 )
-from ppsync.bench.model import overdue_within
+from ppsync.bench.stats import overdue_within
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
 from ppsync.errors import PPSyncError

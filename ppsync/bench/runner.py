@@ -6,7 +6,7 @@ variants interleaved per iteration, each waiting its own transfer; the worst
 case) and then the pipelined one (``bench_pipelined``: an engine-like loop
 with simulated compute and D steps in flight; the headline). Each rank hands
 back raw perf_counter_ns samples; the parent turns them into a
-:class:`~ppsync.bench.model.BenchReport` (spans need every rank's
+:class:`~ppsync.schemas.bench.BenchReport` (spans need every rank's
 timestamps: max(out) - min(in) per iteration), adds the hot own-CPU figure
 of the real token path (``codec_cpu.path_cpu``: a last rank's and a
 receiver's path in one process, a tight loop of publish / consume + post),
@@ -25,24 +25,23 @@ from ppsync.bench.codec_cpu import hot_config, path_cpu
 from ppsync.bench.common import rank_ctx, world_barrier
 from ppsync.bench.cpu import recorder_cpu
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
-from ppsync.bench.model import (
-    BenchOptions,
-    BenchReport,
-    CpuStats,
-    LockstepStats,
-    PipelinedStats,
-    Target,
-    pct_us,
-    ratio,
-)
 from ppsync.bench.pipelined import (
     SCHEMES,
     PipelinedRankResult,
     pipelined_rank,
     rounds,
 )
+from ppsync.bench.stats import pct_us, ratio
 from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.schemas.bench import (
+    BenchOptions,
+    BenchReport,
+    CpuStats,
+    LockstepStats,
+    PipelinedStats,
+    Target,
+)
 
 __all__ = ["BenchOptions", "BenchReport", "format_tables", "run_bench"]
 

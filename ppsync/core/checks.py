@@ -107,6 +107,19 @@ def value_error(num_sampled_np: np.ndarray, num_rejected_np: np.ndarray, *, w: i
     return None
 
 
+def _some_drafts(name: str, num_drafts: int) -> None:
+    if num_drafts == 0:
+        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+
+
+def _drafts_shape(name: str, shape: tuple[int, ...], rows_name: str, rows: int,
+                  num_drafts: int) -> None:
+    """Drafts (or a draft table) are [rows, K]."""
+    if shape != (rows, num_drafts):
+        raise BatchError(f"{name}.shape = {shape} must be ({rows_name}, K) = "
+                         f"({rows}, {num_drafts})")
+
+
 def check_sampled_meta(
     sampled_token_ids: object,  # [num_reqs, w] int64, 1 <= w <= L
     num_sampled: object,  # [num_reqs] int32
@@ -131,12 +144,9 @@ def check_step_drafts_meta(
     draft_tokens: object, *, num_reqs: int, num_drafts: int, device: torch.device
 ) -> torch.Tensor:
     """The device codec's checks of one step's drafts [num_reqs, K]."""
-    if num_drafts == 0:
-        raise BatchError("draft_tokens given but num_speculative_steps = 0: there are no drafts")
+    _some_drafts("draft_tokens", num_drafts)
     drafts = _meta("draft_tokens", draft_tokens, 2, device)
-    if tuple(drafts.shape) != (num_reqs, num_drafts):
-        raise BatchError(f"draft_tokens.shape = {tuple(drafts.shape)} must be (num_reqs, K) = "
-                         f"({num_reqs}, {num_drafts})")
+    _drafts_shape("draft_tokens", tuple(drafts.shape), "num_reqs", num_reqs, num_drafts)
     return drafts
 
 
@@ -146,12 +156,9 @@ def check_draft_table_meta(
 ) -> torch.Tensor:
     """The device codec's checks of a [max_num_reqs, K] draft table (values
     not read)."""
-    if num_drafts == 0:
-        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+    _some_drafts(name, num_drafts)
     table = _meta(name, draft_tokens, 2, device)
-    if tuple(table.shape) != (max_num_reqs, num_drafts):
-        raise BatchError(f"{name}.shape = {tuple(table.shape)} must be (max_num_reqs, K) = "
-                         f"({max_num_reqs}, {num_drafts})")
+    _drafts_shape(name, tuple(table.shape), "max_num_reqs", max_num_reqs, num_drafts)
     return table
 
 
@@ -188,14 +195,9 @@ def check_draft_table(
     draft_tokens: object, *, max_num_reqs: int, num_drafts: int, name: str = "draft_tokens"
 ) -> np.ndarray:
     """Validate a [max_num_reqs, K] draft table; return its host array."""
-    if num_drafts == 0:
-        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
+    _some_drafts(name, num_drafts)
     table_np = _host(name, draft_tokens, 2)
-    if table_np.shape != (max_num_reqs, num_drafts):
-        raise BatchError(
-            f"{name}.shape = {table_np.shape} must be (max_num_reqs, K) = "
-            f"({max_num_reqs}, {num_drafts})"
-        )
+    _drafts_shape(name, table_np.shape, "max_num_reqs", max_num_reqs, num_drafts)
     return table_np
 
 
@@ -207,13 +209,9 @@ def check_draft_target(
     if not isinstance(draft_tokens_to_update, torch.Tensor):
         got = type(draft_tokens_to_update).__name__
         raise BatchError(f"{name} must be a torch.Tensor, got {got}")
-    if num_drafts == 0:
-        raise BatchError(f"{name} given but num_speculative_steps = 0: there are no drafts")
-    shape = tuple(draft_tokens_to_update.shape)
-    if shape != (max_num_reqs, num_drafts):
-        raise BatchError(
-            f"{name}.shape = {shape} must be (max_num_reqs, K) = ({max_num_reqs}, {num_drafts})"
-        )
+    _some_drafts(name, num_drafts)
+    _drafts_shape(name, tuple(draft_tokens_to_update.shape), "max_num_reqs", max_num_reqs,
+                  num_drafts)
     if draft_tokens_to_update.dtype not in _INT_DTYPES:
         raise BatchError(f"{name}.dtype = {draft_tokens_to_update.dtype} must be int64 or int32")
     return draft_tokens_to_update
@@ -222,14 +220,9 @@ def check_draft_target(
 def check_step_drafts(draft_tokens: object, *, num_reqs: int, num_drafts: int) -> np.ndarray:
     """Validate one step's drafts, [num_reqs, K] (already gathered by
     idx_mapping); return the host array."""
-    if num_drafts == 0:
-        raise BatchError("draft_tokens given but num_speculative_steps = 0: there are no drafts")
+    _some_drafts("draft_tokens", num_drafts)
     drafts_np = _host("draft_tokens", draft_tokens, 2)
-    if drafts_np.shape != (num_reqs, num_drafts):
-        raise BatchError(
-            f"draft_tokens.shape = {drafts_np.shape} must be (num_reqs, K) = "
-            f"({num_reqs}, {num_drafts})"
-        )
+    _drafts_shape("draft_tokens", drafts_np.shape, "num_reqs", num_reqs, num_drafts)
     return drafts_np
 
 

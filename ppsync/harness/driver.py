@@ -242,30 +242,6 @@ def run_sync_rank(
     return loop.report(path.rank)
 
 
-async def run_async_rank(
-    config: SyncConfig,
-    group: dist.ProcessGroup,
-    wcfg: WorkloadConfig,
-    board: FailureBoard | None = None,
-    jitter_us: float = 0.0,
-    progress: Callable[[int], None] | None = None,
-    device: torch.device | None = None,
-) -> RankReport:
-    """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services
-    (``device``: the device codec's, where the engine's tensors live)."""
-    async with open_rank(config, group, board=board, device=device) as rank:
-        loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us, progress, device)
-        calls: dict[str, Callable[..., Awaitable[object]]] = {
-            "sleep": anyio.sleep, "consume": rank.take, "post": rank.post,
-            "publish": rank.publish}
-        steps = engine_steps(loop, rank.path, device)
-        result: object = None
-        while (call := next_call(steps, result)) is not None:
-            name, args = call
-            result = await calls[name](*args)
-    return loop.report(rank.rank)
-
-
 def run_async_rank_blocking(
     config: SyncConfig,
     group: dist.ProcessGroup,
@@ -276,6 +252,21 @@ def run_async_rank_blocking(
     progress: Callable[[int], None] | None = None,
     device: torch.device | None = None,
 ) -> RankReport:
-    """:func:`run_async_rank` under ``anyio.run`` on ``backend``."""
-    return anyio.run(run_async_rank, config, group, wcfg, board, jitter_us, progress, device,
-                     backend=backend)
+    """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services,
+    under ``anyio.run`` on ``backend`` (``device``: the device codec's, where
+    the engine's tensors live)."""
+
+    async def run() -> RankReport:
+        async with open_rank(config, group, board=board, device=device) as rank:
+            loop = StepLoop(wcfg, rank.is_last, rank.rank, jitter_us, progress, device)
+            calls: dict[str, Callable[..., Awaitable[object]]] = {
+                "sleep": anyio.sleep, "consume": rank.take, "post": rank.post,
+                "publish": rank.publish}
+            steps = engine_steps(loop, rank.path, device)
+            result: object = None
+            while (call := next_call(steps, result)) is not None:
+                name, args = call
+                result = await calls[name](*args)
+        return loop.report(rank.rank)
+
+    return anyio.run(run, backend=backend)

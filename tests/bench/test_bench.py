@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppsync.bench.model import overdue_within
 from ppsync.bench.runner import BenchOptions, BenchReport, format_tables, run_bench
+from ppsync.bench.stats import overdue_within
 from ppsync.cli import main
 from ppsync.errors import ConfigError
 

@@ -102,7 +102,7 @@ async def _async_loop(
     group: dist.ProcessGroup, board: FailureBoard, victim: int, out_dir: Path, env: RankEnv,
     before: list[str], progress: list[int],
 ) -> None:
-    """The engine loop of ``run_async_rank``."""
+    """The engine loop of ``run_async_rank_blocking``."""
     async with open_rank(CONFIG, group, board=board) as rank:
         loop = StepLoop(workload_config(CONFIG, steps=STEPS, seed=SEED), rank.is_last,
                         rank.rank)

@@ -1,6 +1,5 @@
-"""What ``ppsync bench`` is asked to do and what it reports (the pydantic
-models live in ``ppsync.schemas.bench``), and the arithmetic that turns
-per-rank timestamps into those figures.
+"""The arithmetic that turns per-rank timestamps into ``ppsync bench``'s
+figures (what it is asked and what it reports: ``ppsync.schemas.bench``).
 
 Units: every ``*_us`` field is microseconds; raw samples are perf_counter_ns
 (CLOCK_MONOTONIC, shared by every process on the machine, so timestamps of
@@ -11,26 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppsync.schemas.bench import (
-    BenchOptions,
-    BenchReport,
-    CpuStats,
-    LockstepStats,
-    PipelinedStats,
-    Target,
-)
-
-__all__ = [
-    "BenchOptions",
-    "BenchReport",
-    "CpuStats",
-    "LockstepStats",
-    "PipelinedStats",
-    "Target",
-    "overdue_within",
-    "pct_us",
-    "ratio",
-]
+__all__ = ["overdue_within", "pct_us", "ratio"]
 
 
 # -- arithmetic ---------------------------------------------------------------
