@@ -12,8 +12,8 @@ collective and in waits (``TokenPath.clock``), is the path's own work:
 checks, mask, digest, codec, recorder. Prints the median µs per step.
 
 Why one process: inside a rank process that blocks on its peer every step,
-the first numpy call after a wake-up costs 3-5x its hot cost on these 2
-cores (validate_batch: 7 µs hot, ~33 µs first after a wait); the in-rank
+the first numpy call after a wake-up costs several times its hot cost on
+these 2 cores (docs/measured.md); the in-rank
 figures are ``ppsync bench``'s lockstep and pipelined CPU rows.
 
 ``--phases`` runs the host codec alone with a :class:`PhaseTimer` on each
@@ -127,9 +127,8 @@ QUIET_BLOCK = 250
 
 def quiet_median(ns: list[int], block: int = QUIET_BLOCK) -> float:
     """µs: the median of the quietest block of ``block`` consecutive steps.
-    This machine's speed drifts by up to 2x over seconds (other tenants):
-    block medians of one path in one run range from 52 to 124 µs, so the
-    quietest block's median is the path's cost (as ``timeit`` takes a
+    This machine's speed drifts over seconds (other tenants; docs/measured.md
+    gives the range of block medians in one run), so the quietest block's median is the path's cost (as ``timeit`` takes a
     minimum) and a drift between two runs does not read as a change."""
     start = _quietest_block(ns, block)
     return pct_us(np.array(ns[start:start + block], dtype=np.int64), 50)

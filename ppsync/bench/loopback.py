@@ -9,9 +9,8 @@ ring, recorder, release) is the path's own code.
 
 Why not gloo for this figure: a gloo transfer wakes gloo's threads, which
 preempt the caller on these 2 cores about once per step, and the first numpy
-call after a preemption or a blocking wait costs 3-5x its hot cost
-(validate_batch: 7 µs hot, 25-33 µs after a 200 µs sleep or a wait). That
-measures the machine, not the path; the in-rank figures are ``ppsync
+call after a preemption or a blocking wait costs several times its hot cost
+(docs/measured.md). That measures the machine, not the path; the in-rank figures are ``ppsync
 bench``'s lockstep and pipelined CPU rows.
 """
 
