@@ -128,8 +128,9 @@ QUIET_BLOCK = 250
 def quiet_median(ns: list[int], block: int = QUIET_BLOCK) -> float:
     """µs: the median of the quietest block of ``block`` consecutive steps.
     This machine's speed drifts over seconds (other tenants; docs/measured.md
-    gives the range of block medians in one run), so the quietest block's median is the path's cost (as ``timeit`` takes a
-    minimum) and a drift between two runs does not read as a change."""
+    gives the range of block medians in one run), so the quietest block's
+    median is the path's cost (as ``timeit`` takes a minimum) and a drift
+    between two runs does not read as a change."""
     start = _quietest_block(ns, block)
     return pct_us(np.array(ns[start:start + block], dtype=np.int64), 50)
 
