@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts, batch_facts
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
-from ppsync.core.frame.codec import StepCodec, codec_for
+from ppsync.core.frame.codec import DEVICE_ONLY_BACKENDS, StepCodec, codec_for
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
@@ -129,10 +129,12 @@ class PathBase:
         self.platform = (platform if isinstance(platform, Platform)
                          else platform_for(device, platform))
         self.backend = backend
-        on_device = self.backend in ("nccl", "xccl")  # these take device tensors only
-        if on_device and config.codec != "device":  # before the handshake: nothing issued
-            raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
-                              f"group's backend {self.backend} needs codec = 'device'")
+        # chosen before the handshake: a codec the backend cannot carry raises
+        # before anything is issued
+        self.codec: StepCodec = codec_for(config, self.platform, backend=self.backend,
+                                          rank=self.rank, src=self.src)
+        """Packs, checks and releases this path's frames (ppsync.core.frame.codec)."""
+        on_device = self.backend in DEVICE_ONLY_BACKENDS
         self.handshake: Handshake | None = Handshake(
             config, group, rank=self.rank, device=self.platform.device if on_device else None)
         """Issued at once; finished here, or by the caller (``wait_handshake``
@@ -142,9 +144,6 @@ class PathBase:
         """Agreed by every rank at the handshake; scopes the failure board."""
         if wait_handshake:
             self.finish_handshake()
-        self.codec: StepCodec = codec_for(config, self.platform, backend=self.backend,
-                                          rank=self.rank, src=self.src)
-        """Packs, checks and releases this path's frames (ppsync.core.frame.codec)."""
         self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
         self.seq = 0  # frames issued on this group so far

@@ -27,11 +27,15 @@ from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.platform import Platform
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep, PreparedStep
+from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 
 StepDrafts = np.ndarray | torch.Tensor
 """One step's drafts, [num_reqs, K]: a host array (host codec) or a tensor on
 the codec's device (device codec), as :meth:`StepCodec.prepare` returns them."""
+
+DEVICE_ONLY_BACKENDS = ("nccl", "xccl")
+"""Backends that take device tensors only: their frames need the device codec."""
 
 Issue = Callable[[torch.Tensor], dist.Work]
 """Issues a frame's collective; never blocks."""
@@ -100,4 +104,7 @@ def codec_for(config: SyncConfig, platform: Platform, *, backend: str, rank: int
 
     if config.codec == "device":
         return DeviceCodec(config, platform, backend=backend, rank=rank, src=src)
+    if backend in DEVICE_ONLY_BACKENDS:
+        raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
+                          f"group's backend {backend} needs codec = 'device'")
     return HostCodec(config)

@@ -1,0 +1,65 @@
+"""ppsync.core.frame.codec: the one choice of a codec, and the rules both
+codecs share, checked through each (the device codec on CPU tensors)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ppsync.core.batch import BatchView, batch_facts
+from ppsync.core.frame.codec import StepCodec, codec_for
+from ppsync.core.frame.device_codec import DeviceCodec
+from ppsync.core.frame.host_codec import HostCodec
+from ppsync.core.platform import platform_for
+from ppsync.errors import BatchError, ConfigError
+from ppsync.schemas.config import SyncConfig
+
+K = 2
+CPU = torch.device("cpu")
+
+
+def _config(codec: str) -> SyncConfig:
+    return SyncConfig.build(pp_size=2, max_num_reqs=8, num_speculative_steps=K,
+                            codec=codec)
+
+
+def _codec(codec: str) -> StepCodec:
+    return codec_for(_config(codec), platform_for(CPU), backend="gloo", rank=1, src=1)
+
+
+def _view(n: int) -> BatchView:
+    return BatchView(n, np.arange(n, dtype=np.int64), np.full(n, 20, dtype=np.int64),
+                     np.ones(n, dtype=np.int64), np.full(n, 16, dtype=np.int64))
+
+
+def test_the_config_chooses_the_codec_and_callers_ask_the_object() -> None:
+    host, device = _codec("host"), _codec("device")
+    assert isinstance(host, HostCodec) and not host.on_device and host.device == CPU
+    assert isinstance(device, DeviceCodec) and device.on_device and device.device == CPU
+
+
+@pytest.mark.parametrize("backend", ["nccl", "xccl"])
+def test_host_frames_on_a_device_only_backend_are_a_config_error(backend: str) -> None:
+    with pytest.raises(ConfigError, match=rf"codec = 'host' frames are host buffers; the "
+                       rf"token group's backend {backend} needs codec = 'device'"):
+        codec_for(_config("host"), platform_for(CPU), backend=backend, rank=0, src=1)
+
+
+@pytest.mark.parametrize(
+    ("width", "sample_width", "match"),
+    [
+        (3, 2, r"sampled_token_ids.shape\[1\] = 3 exceeds the step's sample width 2"),
+        (4, None, r"sampled_token_ids.shape\[1\] = 4 must lie in \[1, L = 3\]"),
+    ],
+)
+def test_both_codecs_apply_one_width_rule(width: int, sample_width: int | None,
+                                          match: str) -> None:
+    n = 3
+    view = _view(n)
+    for name in ("host", "device"):
+        codec = _codec(name)
+        with pytest.raises(BatchError, match=match):
+            codec.prepare(view, batch_facts(view, 8), torch.zeros((n, width), dtype=torch.int64),
+                          torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
+                          None, sample_width)
