@@ -257,7 +257,7 @@ class PathBase:
     ) -> PPSyncError:
         """The error to raise for ``err``: the same type on every rank for one
         cause, naming the culprit where the board knows it (see
-        ppsync.core.failures.named_failure); ``err`` itself without a board.
+        ppsync.core.waits.named_failure); ``err`` itself without a board.
         The error is recorded and, with a dump directory, dumped; its message
         names the file."""
         named = named_failure(err, self.board, rank=self.rank, settle=settle,

@@ -77,7 +77,7 @@ class _Service:
         for work in self.path.works_before_issue():
             await await_path_work(self.path, work, "earlier transfer")
 
-    async def _watch_last_issue(self) -> None:
+    async def _watch_last_issued(self) -> None:
         issued = self.path.last_issued()
         assert issued is not None  # the call just issued a transfer
         await self.watcher.watch(Issued(*issued))
@@ -105,7 +105,7 @@ class BroadcastService(_Service):
         needed = self.path.send(step, drafts)
         self._record(step.view, needed, drafts is not None)
         if needed:
-            await self._watch_last_issue()
+            await self._watch_last_issued()
         return needed
 
 
@@ -125,7 +125,7 @@ class ReceiveService(_Service):
         needed = self.path.post(view)
         self._record(view, needed, False)
         if needed:
-            await self._watch_last_issue()
+            await self._watch_last_issued()
         return needed
 
     async def take(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
