@@ -284,6 +284,9 @@ class PathBase:
         except BatchError as e:
             dump_on_error(self, e)
             raise
+
+    # -- what the roles' calls share --------------------------------------
+
     def _batch_facts(self, view: BatchView) -> BatchFacts:
         """The batch's checked facts and need mask, as copies."""
         return batch_facts(view, self.config.max_num_reqs)
@@ -298,6 +301,7 @@ class PathBase:
     def _issued(self, work: dist.Work) -> None:
         self._last_issued = (self.seq, work)
         self.seq += 1
+
     def _keep(self, head: PendingStep) -> tuple[np.ndarray, int]:
         """([num_reqs] bool, their count): rows that needed a sample and whose
         slot was not freed since the receive was posted (the usual step, with
@@ -307,6 +311,7 @@ class PathBase:
             return head.need_np, head.needed
         keep: np.ndarray = head.need_np & unchanged
         return keep, int(np.count_nonzero(keep))
+
     # -- lifecycle ----------------------------------------------------------
 
     def close(self, *, drain: bool = True, reason: str | None = None) -> None:

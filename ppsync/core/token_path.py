@@ -143,6 +143,7 @@ class TokenPath(PathBase):
                                         staging))
         self._issued(work)
         return needed
+
     @records_errors
     def consume(self, draft_tokens_to_update: torch.Tensor | None = None) -> ReleasedStep | None:
         """Release the step posted D steps ago (non-last ranks).
