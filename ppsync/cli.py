@@ -25,7 +25,7 @@ from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.run import format_table, run_local
-from ppsync.harness.world import WorldEnv
+from ppsync.harness.world import WorldEnv, joining
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.report import RunReport
@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--pp-size", type=_positive, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
+    ru.add_argument("--run-id", default=None, metavar="ID",
+                    help="name of this run in the store: every rank gives the same one "
+                    "(default torchrun's TORCHELASTIC_RUN_ID; without either, each rank "
+                    "counts its runs on the store); keys of other runs are never read")
     _workload_flags(ru)
     be = sub.add_parser("bench", help="time the token path against raw broadcasts and "
                         "today's scheme on P local gloo ranks (lockstep and pipelined)")
@@ -213,7 +217,7 @@ def _run(args: argparse.Namespace) -> int:
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
                       None if args.quiet else args.progress_every, args.join_timeout,
-                      args.device)
+                      args.device, args.run_id)
     report = run_rank(config, opts, world)
     if world.rank == 0:
         return _finish(args, report)
@@ -224,7 +228,8 @@ def _stopped(signum: int, frame: object) -> None:
     """SIGTERM: torchrun's agent stops every worker as soon as one fails (its
     summary names the failed one), as do container engines; say so and exit 1."""
     rank = os.environ.get("RANK", "?")
-    print(f"ppsync: rank {rank}: stopped by {signal.Signals(signum).name} (the launcher "
+    where = " while joining the world" if joining() else ""
+    print(f"ppsync: rank {rank}: stopped by {signal.Signals(signum).name}{where} (the launcher "
           "ends the run: a peer failed, or it was asked to stop)", file=sys.stderr, flush=True)
     dump_all("signal")  # os._exit skips atexit; no-op without a dump directory
     sys.stdout.flush()

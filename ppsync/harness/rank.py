@@ -48,6 +48,7 @@ class RunOptions:
     progress_s: float | None = None  # world rank 0 prints progress this often; None: never
     join_timeout_s: float = 120.0  # bound on joining the world (ranks start at different times)
     device: str = "cpu"  # cpu, cuda, xpu: where the device codec's tensors live
+    run_id: str | None = None  # the run's name in the store (ppsync run --run-id)
 
 
 class Progress:
@@ -109,7 +110,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     when WORLD_SIZE is not a multiple of pp_size; any fault raises."""
     layout = pipeline_layout(world.world_size, config.pp_size)
     device = rank_device(opts.device, config.codec, world.local_rank)  # before connecting
-    store = world.connect(opts.join_timeout_s)
+    store = world.connect(opts.join_timeout_s, opts.run_id)
     if device is not None:
         getattr(torch, device.type).set_device(device)
     backend = None if device is None else platform_for(device).backend
