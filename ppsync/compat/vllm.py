@@ -42,7 +42,6 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Literal, NotRequired, TypedDict, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -259,13 +258,6 @@ class PPHandler:
                     "when input_batch.num_draft_tokens > 0, else 1)")
         step, _ = self._path.prepare(batch_view_of(input_batch), sampled_token_ids,
                                      num_sampled, num_rejected, sample_width=width)
-        # (the device codec checks num_rejected against K on the device only)
-        nr_np = step.num_rejected_np
-        if width == 1 and nr_np is not None and nr_np.any():
-            row = int(np.argmax(nr_np != 0))
-            raise BatchError(
-                f"num_rejected[{row}] = {int(nr_np[row])} but this step has "
-                "no drafts (input_batch.num_draft_tokens = 0), so nothing can be rejected")
         if self.config.num_speculative_steps == 0:
             self._path.send(step)
         else:

@@ -83,27 +83,34 @@ def check_width_fits(w: int, sample_width: int | None) -> None:
                          f"step's sample width {sample_width}")
 
 
-def value_bounds(w: int, num_drafts: int) -> tuple[int, int]:
-    """The largest valid (num_sampled, num_rejected) of a step of sample
-    width ``w``: the one rule both codecs check, the host in numpy before
-    the send, the device in torch ops while packing and receiving."""
-    return w, num_drafts
+def value_bounds(w: int, num_drafts: int, step_width: int | None = None) -> tuple[int, int]:
+    """The largest valid (num_sampled, num_rejected) of a step whose tokens
+    are ``w`` wide and whose own sample width is ``step_width`` (None: L): a
+    step verifies at most ``step_width - 1`` drafts, so it rejects at most
+    that many (vLLM 0.33: none in a width-1 step). The one rule both codecs
+    check, the host in numpy before the send, the device in torch ops while
+    packing and receiving."""
+    max_nr = num_drafts if step_width is None else min(num_drafts, step_width - 1)
+    return w, max_nr
 
 
 def value_error(num_sampled_np: np.ndarray, num_rejected_np: np.ndarray, *, w: int,
-                num_drafts: int, prefix: str = "") -> BatchError | None:
+                num_drafts: int, step_width: int | None = None,
+                prefix: str = "") -> BatchError | None:
     """The BatchError naming the first num_sampled / num_rejected outside
     :func:`value_bounds` (field, row, value, rule), or None when all lie in
     range. ``prefix`` starts the message (a receiver names the frame)."""
-    max_ns, max_nr = value_bounds(w, num_drafts)
+    max_ns, max_nr = value_bounds(w, num_drafts, step_width)
     if out_of_range(num_sampled_np, max_ns + 1):  # one pass, no copy; catches negatives too
         bad = (num_sampled_np < 0) | (num_sampled_np > max_ns)
         return _first_bad(f"{prefix}num_sampled", num_sampled_np, bad,
                           f"outside [0, w = {w}] (the sample width sent)")
     if out_of_range(num_rejected_np, max_nr + 1):
         bad = (num_rejected_np < 0) | (num_rejected_np > max_nr)
-        return _first_bad(f"{prefix}num_rejected", num_rejected_np, bad,
-                          f"outside [0, K = {num_drafts}] (num_speculative_steps)")
+        rule = (f"outside [0, K = {num_drafts}] (num_speculative_steps)" if max_nr == num_drafts
+                else f"outside [0, {max_nr}] (a step of sample width {step_width} verifies "
+                f"at most {max_nr} drafts)")
+        return _first_bad(f"{prefix}num_rejected", num_rejected_np, bad, rule)
     return None
 
 
@@ -176,8 +183,10 @@ def check_sampled(
     num_reqs: int,
     sample_width: int,
     num_drafts: int,
+    step_width: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate one step's sampler outputs; return their host arrays."""
+    """Validate one step's sampler outputs (``step_width``: the step's own
+    sample width, None = L); return their host arrays."""
     # token ids are int64 end to end (vLLM asserts it): a narrower dtype is a
     # caller's bug, and accepting it let a retried call send a step twice
     tokens_np = _host("sampled_token_ids", sampled_token_ids, 2, (torch.int64,))
@@ -185,7 +194,8 @@ def check_sampled(
     nr_np = _host("num_rejected", num_rejected, 1)
     _check_shapes(tokens_np.shape, ns_np.shape, nr_np.shape, num_reqs=num_reqs,
                   sample_width=sample_width)
-    err = value_error(ns_np, nr_np, w=tokens_np.shape[1], num_drafts=num_drafts)
+    err = value_error(ns_np, nr_np, w=tokens_np.shape[1], num_drafts=num_drafts,
+                      step_width=step_width)
     if err is not None:
         raise err
     return tokens_np, ns_np, nr_np

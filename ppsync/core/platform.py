@@ -72,6 +72,9 @@ class Platform:
     sync_main_before_send = False
     ring_depth_hint: int | None = None
     """The ring depth the platform's engines use (None: pp_size)."""
+    host_reads_free = True
+    """The host may read the device's memory without a sync (CPU tensors:
+    ops ran eagerly); False on an accelerator, where a read would wait."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -115,6 +118,8 @@ class Platform:
 
 class _AcceleratorPlatform(Platform):
     """CUDA and XPU: the same calls through ``torch.cuda`` / ``torch.xpu``."""
+
+    host_reads_free = False
 
     @property
     def _mod(self) -> Any:

@@ -191,8 +191,8 @@ def errors_033(h: PPHandler) -> None:
         with pytest.raises(BatchError, match=r"shape\[1\] = 3 exceeds this step's sample "
                                              r"width 1 .*num_draft_tokens > 0, else 1"):
             h.broadcast(*_outputs(K + 1), batch(drafts=0))
-        with pytest.raises(BatchError, match=r"num_rejected\[0\] = 1 but this step has no "
-                                             "drafts"):
+        with pytest.raises(BatchError, match=r"num_rejected\[0\] = 1 outside \[0, 0\] \(a "
+                                             r"step of sample width 1 verifies at most 0"):
             h.broadcast(*_outputs(1, rejected=1), batch(drafts=0))
         with pytest.raises(BatchError, match="lacks num_draft_tokens"):
             h.broadcast(*_outputs(1), NoDraftCount())

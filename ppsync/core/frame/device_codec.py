@@ -68,6 +68,7 @@ class Unread:
     buf: torch.Tensor  # the frame (read on the error path only)
     frame: FrameView
     expect_drafts: bool | None = None
+    tokens_w: int = 0  # sent: the tokens' width, num_sampled's bound (as the host codec's)
 
 
 class DeviceCodec:
@@ -173,13 +174,14 @@ class DeviceCodec:
         for t in (*outputs, drafts):
             if t is not None:
                 p.record_stream(t, self.side)  # made on the main stream, read on the side
-        self.unread.append(Unread(True, frame.seq, event, staging, buf, frame))
+        self.unread.append(Unread(True, frame.seq, event, staging, buf, frame,
+                                  tokens_w=outputs[0].shape[1]))
         return buf, work, flags, 0
 
     def _sent_error(self, u: Unread) -> BatchError:
         frame_np = u.buf.cpu().numpy()  # error path only
-        w = u.frame.width(self.frames)
-        err = self.codec.value_error(frame_np, u.frame.num_reqs, w, "")
+        err = self.codec.value_error(frame_np, u.frame.num_reqs, u.tokens_w,
+                                     u.frame.width(self.frames), "")
         return BatchError(f"{err} (found on the device after step seq {u.seq} was sent: "
                           "reported at the next call; every receiver raises on that frame)")
 
@@ -236,7 +238,8 @@ class DeviceCodec:
             num_sampled = rows[:, lay.col_num_sampled].to(torch.int32)
             num_rejected = rows[:, lay.col_num_rejected].to(torch.int32)
             idx_mapping = facts[:n].clone()
-            drafts = rows[:, lay.col_drafts : lay.col_slot_need].clone() if K else None
+            drafts = (rows[:, lay.col_drafts : lay.col_slot_need].clone()
+                      if K and self._has_drafts(buf, expect_drafts) else None)
             event = p.record_event(self.side)
         p.wait_event(main, event)
         out = [tokens, num_sampled, num_rejected, idx_mapping]
@@ -258,6 +261,20 @@ class DeviceCodec:
                             num_rejected=num_rejected, idx_mapping=idx_mapping,
                             draft_tokens=drafts, kept_np=keep)
 
+    def _has_drafts(self, buf: torch.Tensor, expect_drafts: bool | None) -> bool:
+        """Whether a received frame's drafts are handed out, as the host codec
+        decides (the frame's FLAG_HAS_DRAFTS), without a host sync: what the
+        receiver expects (a frame that disagrees raises at its verdict), else
+        the flag itself where the host reads the device for free (CPU). On an
+        accelerator with ``expect_drafts`` None the flag stays on the device:
+        drafts are handed out (rows of -1 for a frame without them) and the
+        draft table is left as it was (docs/design.md section 7)."""
+        if expect_drafts is not None:
+            return expect_drafts
+        if self.platform.host_reads_free:
+            return bool(int(buf[_H_FLAGS]) & FLAG_HAS_DRAFTS)
+        return True
+
     def _received_error(self, j: Unread, bad: int) -> DesyncError | BatchError:
         lay = self.frames
         frame_np = j.buf.cpu().numpy()  # error path only
@@ -272,7 +289,8 @@ class DeviceCodec:
         if bad & (V_NUM_SAMPLED | V_NUM_REJECTED | V_FLAGGED):
             prefix = (f"rank {self.rank}: frame seq {j.seq} from the last rank (global rank "
                       f"{self.src}) carries ")
-            return self.codec.value_error(frame_np, j.frame.num_reqs, j.frame.width(lay), prefix)
+            w = j.frame.width(lay)
+            return self.codec.value_error(frame_np, j.frame.num_reqs, w, w, prefix)
         return DesyncError(f"rank {self.rank}: frame seq {j.seq} fails the device check "
                            f"(verdict {bad})", expected=j.frame.as_dict(lay),
                            received=lay.header_dict(frame_np))

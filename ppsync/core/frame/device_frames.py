@@ -84,8 +84,9 @@ class DeviceFrameCodec:
         total = (payload * self._payload_w[:m]).sum() + (buf[:_H_CSUM] * self._header_w).sum()
         return total.view(1)
 
-    def _value_verdict(self, ns: torch.Tensor, nr: torch.Tensor, w: int) -> torch.Tensor:
-        max_ns, max_nr = value_bounds(w, self.layout.num_drafts)
+    def _value_verdict(self, ns: torch.Tensor, nr: torch.Tensor, w: int,
+                       step_width: int) -> torch.Tensor:
+        max_ns, max_nr = value_bounds(w, self.layout.num_drafts, step_width)
         bad_ns = ((ns < 0) | (ns > max_ns)).any().to(torch.int64)
         bad_nr = ((nr < 0) | (nr > max_nr)).any().to(torch.int64)
         return bad_ns * V_NUM_SAMPLED + bad_nr * V_NUM_REJECTED
@@ -119,7 +120,8 @@ class DeviceFrameCodec:
         rows[:, lay.col_slot_need] = facts[Staging.slot_need(n)]
         rows[:, lay.col_computed] = facts[Staging.computed(n)]
         buf[:_H_CSUM] = facts[:_H_CSUM]
-        verdict = self._value_verdict(num_sampled, num_rejected, w).view(1)
+        step_width = int(staged[Header.SAMPLE_WIDTH])  # host memory: this rank wrote it
+        verdict = self._value_verdict(num_sampled, num_rejected, w, step_width).view(1)
         # the verdict travels: a bad step's frame says so, under the checksum
         flagged = (verdict != 0).to(torch.int64) * FLAG_BAD_VALUES
         buf[_H_FLAGS : _H_FLAGS + 1].bitwise_or_(flagged)
@@ -144,18 +146,19 @@ class DeviceFrameCodec:
         flagged = ((head[_H_FLAGS] & FLAG_BAD_VALUES) != 0).to(torch.int64)
         verdict = (bad_frame * V_FRAME + flagged * V_FLAGGED
                    + self._value_verdict(rows[:, lay.col_num_sampled],
-                                         rows[:, lay.col_num_rejected], w))
+                                         rows[:, lay.col_num_rejected], w, w))
         return verdict.view(1)
 
     # -- the error path: the host looks at the frame only once a verdict is bad
 
-    def value_error(self, frame_np: np.ndarray, n: int, w: int, prefix: str) -> BatchError:
+    def value_error(self, frame_np: np.ndarray, n: int, w: int, step_width: int,
+                    prefix: str) -> BatchError:
         """The BatchError naming the first bad num_sampled / num_rejected
         (field, row, value, rule) in a frame copied to the host."""
         lay = self.layout
         rows = lay.rows(frame_np, n)
         err = value_error(rows[:, lay.col_num_sampled], rows[:, lay.col_num_rejected], w=w,
-                          num_drafts=lay.num_drafts, prefix=prefix)
+                          num_drafts=lay.num_drafts, step_width=step_width, prefix=prefix)
         if err is None:  # flagged by its sender, though in range for this rank's width
             return BatchError(f"{prefix}values its sender flagged out of range (FLAG_BAD_VALUES)")
         return err

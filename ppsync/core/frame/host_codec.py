@@ -53,6 +53,7 @@ class HostCodec:
         tokens_np, ns_np, nr_np = check_sampled(
             sampled_token_ids, num_sampled, num_rejected,
             num_reqs=view.num_reqs, sample_width=f.sample_width, num_drafts=f.num_drafts,
+            step_width=sample_width,
         )
         drafts_np = None if draft_tokens is None else check_step_drafts(
             draft_tokens, num_reqs=view.num_reqs, num_drafts=f.num_drafts)

@@ -36,7 +36,7 @@ def _step(k: int, n: int, w: int, seed: int) -> tuple[FrameView, np.ndarray, np.
     # token ids near 2**62: the weighted sums wrap int64 many times over
     tokens = rng.integers(1 << 61, 1 << 62, (n, w)).astype(np.int64)
     ns = rng.integers(0, w + 1, n).astype(np.int32)
-    nr = rng.integers(0, k + 1, n).astype(np.int32)
+    nr = rng.integers(0, min(k, w - 1) + 1, n).astype(np.int32)  # a width-w step rejects < w
     codec = FrameCodec(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
     facts = np.stack([slot_need_words(idx, need), computed.astype(np.int64)])
     view = FrameView(7, n, codec.facts_digest(facts), slot_need_words(idx, need),
@@ -94,7 +94,7 @@ def test_bad_values_give_a_verdict_and_flag_the_frame(field: str, value: int, bi
     # a receiver's check sees the flag and the value itself
     exp = dev.stage(dev_staging(dev), view, 0)
     assert int(dev.check(buf, exp, 5, k + 1)[0]) == bit | V_FLAGGED
-    err = dev.value_error(buf.numpy(), 5, k + 1, "")
+    err = dev.value_error(buf.numpy(), 5, k + 1, k + 1, "")
     rule = "w = 3" if field == "num_sampled" else "K = 2"
     assert re.search(rf"{field}\[2\] = {value} outside \[0, {rule}\]", str(err))
 
