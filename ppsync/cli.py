@@ -180,10 +180,30 @@ def _dump_dir(args: argparse.Namespace) -> Path | None:
     return Path(env) if env else None
 
 
+def _check_report_path(args: argparse.Namespace) -> None:
+    """--report FILE must be writable before the run starts (a bad argument,
+    exit 2), not found out once the run is done."""
+    f: Path | None = args.report
+    if f is None:
+        return
+    if f.is_dir():
+        raise ConfigError(f"--report {f}: is a directory; give a file to write the report to")
+    parent = f.parent if str(f.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"--report {f}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (f.exists() and not os.access(f, os.W_OK)):
+        raise ConfigError(f"--report {f}: not writable")
+
+
 def _finish(args: argparse.Namespace, report: RunReport) -> int:
     print(format_table(report), flush=True)
     if args.report is not None:
-        args.report.write_text(report.model_dump_json(indent=2) + "\n")
+        try:
+            args.report.write_text(report.model_dump_json(indent=2) + "\n")
+        except OSError as e:
+            print(f"ppsync: --report {args.report}: not written: {e.strerror or e}",
+                  file=sys.stderr)
+            return 1
     if not report.ok:
         point_at_dumps(_dump_dir(args))
     return 0 if report.ok else 1
@@ -191,6 +211,7 @@ def _finish(args: argparse.Namespace, report: RunReport) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size)
+    _check_report_path(args)
     dump_dir = _dump_dir(args)
     try:
         report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
@@ -214,6 +235,8 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stopped)
     world = WorldEnv.from_environ(os.environ)
     config = _config(args, args.pp_size or world.world_size)
+    if world.rank == 0:
+        _check_report_path(args)
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
                       None if args.quiet else args.progress_every, args.join_timeout,

@@ -22,24 +22,31 @@ import faulthandler
 import functools
 import json
 import os
+import queue
 import signal
 import socket
 import sys
+import tempfile
+import threading
+import time
+import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from types import FrameType
 from typing import Protocol, TypeVar
 
+import numpy as np
 import torch
 
-from ppsync.core.recorder import FlightRecorder, clock_pair
+from ppsync.core.recorder import FIELDS, FlightRecorder, clock_pair
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import (
     DUMP_DIR_ENV,
     DUMP_FORMAT_VERSION,
+    EVENT_KINDS,
     DumpFooter,
     DumpHeader,
     DumpReason,
@@ -56,6 +63,8 @@ class Dumpable(Protocol):
     recorder: FlightRecorder
     steps: int
     seq: int
+    run_id: int  # agreed at the handshake; 0 before
+    dump_inline: bool  # False: error dumps are written by the writer thread (event loops)
 
     @property
     def global_rank(self) -> int: ...
@@ -65,7 +74,7 @@ class Dumpable(Protocol):
     def closed(self) -> bool: ...
 
 
-_paths: deque[tuple[Dumpable, str]] = deque(maxlen=_KEEP)
+_paths: deque[tuple[Dumpable, str, int]] = deque(maxlen=_KEEP)  # (path, name, opened wall ns)
 _opened = 0  # token paths registered in this process
 _dump_dir: Path | None = None  # set by install_dump_triggers
 _writing = False  # a dump is being written (a signal then does not start another)
@@ -85,15 +94,19 @@ def register(path: Dumpable) -> None:
     global _opened
     name = f"ppsync-rank{path.global_rank}" + (f"-{_opened}" if _opened else "") + ".jsonl"
     _opened += 1
-    _paths.append((path, name))
+    _paths.append((path, name, time.time_ns()))
+
+
+def _entry(path: Dumpable) -> tuple[str, int]:
+    for p, name, opened in _paths:
+        if p is path:
+            return name, opened
+    return f"ppsync-rank{path.global_rank}.jsonl", 0
 
 
 def file_name(path: Dumpable) -> str:
     """The file name automatic dumps of ``path`` use."""
-    for p, name in _paths:
-        if p is path:
-            return name
-    return f"ppsync-rank{path.global_rank}.jsonl"
+    return _entry(path)[0]
 
 
 def dump_file(path: Dumpable, file: str | Path | None) -> Path:
@@ -120,67 +133,161 @@ def write_dump(path: Dumpable, file: Path, *, reason: DumpReason,
     global _writing
     _writing = True
     try:
-        return _write(path, file, reason, error)
+        _snapshot(path, reason, error).write(file)
+        return file
     finally:
         _writing = False
 
 
-def _write(path: Dumpable, file: Path, reason: DumpReason, error: BaseException | None) -> Path:
+class _Snapshot:
+    """A dump's content taken on the recording thread (a copy of the ring:
+    one memcpy), turned into lines by whichever thread writes it."""
+
+    def __init__(self, header: DumpHeader, rows: np.ndarray, first: int, errors: list[str],
+                 footer: DumpFooter) -> None:
+        self.header, self.rows, self.first = header, rows, first
+        self.errors, self.footer = errors, footer
+
+    def _event_lines(self) -> Iterator[str]:
+        rows, clock = self.rows, self.header.clock
+        if rows.shape[0] == 0:
+            return
+        kinds = rows[:, 0]
+        # wall = clock.wall + (mono - clock.mono); the kind's and error's names
+        wall = rows[:, _MONO] + (clock.wall_ns - clock.mono_ns)
+        names = [json.dumps(n) for n in self.errors]
+        body = np.concatenate((rows[:, 1:-1], wall[:, None]), axis=1).tolist()
+        for k, (kind, err, values) in enumerate(zip(kinds.tolist(), rows[:, -1].tolist(), body,
+                                                    strict=True)):
+            name = EVENT_KINDS[kind] if 0 <= kind < len(EVENT_KINDS) else "error"
+            error = names[err - 1] if 0 < err <= len(names) else "null"
+            yield _EVENT_LINE % (self.first + k, name, *values, error)
+
+    def write(self, file: Path) -> None:
+        """Write to a fresh temporary file in ``file``'s directory (created
+        exclusively: never through a link planted there), then rename."""
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.header.model_dump_json() + "\n")
+                f.writelines(self._event_lines())
+                f.write(self.footer.model_dump_json() + "\n")
+            os.replace(tmp, file)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+_MONO = FIELDS.index("mono_ns")
+_EVENT_LINE = ('{"type":"event","index":%d,"kind":"%s",'
+               + ",".join(f'"{f}":%d' for f in FIELDS[1:-1])
+               + ',"wall_ns":%d,"error":%s}\n')
+"""One event line: the JSON ``json.dumps`` writes for a DumpEvent's fields,
+formatted in one step."""
+
+
+def _snapshot(path: Dumpable, reason: DumpReason, error: BaseException | None) -> _Snapshot:
     rec = path.recorder
     clock = clock_pair()
-    events = list(rec.event_dicts(clock))
+    rows = rec.events()
+    opened = _entry(path)[1]
     header = DumpHeader(
         format_version=DUMP_FORMAT_VERSION, ppsync_version=_version(),
         torch_version=str(torch.__version__), rank=path.global_rank, group_rank=path.rank,
         group_ranks=path.group_ranks, pp_size=path.config.pp_size, config=path.config,
-        host=socket.gethostname(), pid=os.getpid(), clock=clock, reason=reason,
-        capacity=rec.capacity, recorded=rec.recorded, dropped=rec.recorded - len(events),
+        host=socket.gethostname(), pid=os.getpid(), run_id=path.run_id,
+        opened_wall_ns=opened, clock=clock, reason=reason,
+        capacity=rec.capacity, recorded=rec.recorded, dropped=rec.recorded - rows.shape[0],
     )
     err = error if error is not None else rec.last_error
+    peer = getattr(err, "peer", None)
     footer = DumpFooter(
         error_type=None if err is None else type(err).__name__,
-        error_message=None if err is None else _original_message(err),
+        error_message=None if err is None else str(err),
+        error_peer=peer if isinstance(peer, int) else None,
         in_flight=rec.in_flight(clock.mono_ns), last_step=path.steps, next_seq=path.seq,
         closed=path.closed,
     )
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(header.model_dump_json() + "\n")
-        for e in events:
-            f.write(json.dumps(e, separators=(",", ":")) + "\n")
-        f.write(footer.model_dump_json() + "\n")
-    os.replace(tmp, file)
-    return file
+    return _Snapshot(header, rows, rec.recorded - rows.shape[0], list(rec.error_names), footer)
 
 
-_NOTE = " [flight record: "
-
-
-def _original_message(err: BaseException) -> str:
-    text = str(err)
-    cut = text.find(_NOTE)
-    return text if cut < 0 else text[:cut]
+_dumped: weakref.WeakSet[BaseException] = weakref.WeakSet()
+"""Errors already recorded and dumped (once per error object)."""
 
 
 def dump_on_error(path: Dumpable, err: BaseException) -> None:
     """Record ``err`` leaving ``path``; when a dump directory is set, write
-    the dump and append its file name to ``err``'s message. Never raises:
-    a failed dump is named in the message instead. Once per error."""
-    if getattr(err, "_ppsync_dumped", False):
+    the dump (on the writer thread when the path is driven by an event loop,
+    ``dump_inline`` False) and add a note naming its file to ``err``. Never
+    raises: a failed dump is named in the note instead. Once per error."""
+    if err in _dumped:
         return
-    err._ppsync_dumped = True  # type: ignore[attr-defined]  # a plain exception attribute
+    _dumped.add(err)
     path.recorder.error(path.steps, err)
     directory = dump_dir()
     if directory is None:
         return
+    file = directory / file_name(path)
     try:
-        written = str(write_dump(path, directory / file_name(path), reason="error", error=err))
+        snap = _snapshot(path, "error", err)
+        if path.dump_inline:
+            snap.write(file)
+        else:
+            _writer.submit(snap, file)
+        written = str(file)
     except Exception as e:  # the real error matters more than the dump
         written = f"not written: {type(e).__name__}: {e}"
-    text = _original_message(err)
-    if err.args and isinstance(err.args[0], str):
-        err.args = (f"{text}{_NOTE}{written}]", *err.args[1:])
+    err.add_note(f"flight record: {written}")
+
+
+class _Writer:
+    """One thread that writes the dumps an event loop's thread hands it, in
+    order; :func:`flush_dumps` waits for them (and the process's exit does)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[_Snapshot, Path] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, snap: _Snapshot, file: Path) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ppsync-dumps",
+                                                daemon=True)
+                self._thread.start()
+                atexit.register(flush_dumps)
+        self._queue.put((snap, file))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is not None:
+                    with contextlib.suppress(Exception):  # named nowhere: the error is raised
+                        item[0].write(item[1])
+            finally:
+                self._queue.task_done()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every dump handed over is written; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+
+_writer = _Writer()
+
+
+def flush_dumps(timeout_s: float = 30.0) -> bool:
+    """Wait (at most ``timeout_s``) until every dump handed to the writer
+    thread is on disk; True when none is left. An event loop calls it in a
+    worker thread (``anyio.to_thread.run_sync``)."""
+    return _writer.flush(timeout_s)
 
 
 def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:
@@ -190,7 +297,7 @@ def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:
     if directory is None:
         return []
     out = []
-    for path, name in list(_paths):
+    for path, name, _ in list(_paths):
         with contextlib.suppress(Exception):
             out.append(write_dump(path, directory / name, reason=reason))
     return out

@@ -157,6 +157,10 @@ class PathBase:
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
         """This path's flight recorder (ppsync.core.recorder); see :meth:`dump`."""
+        self.dump_inline = True
+        """Write an error's dump in the failing call (True), or hand it to
+        the dump writer thread (False: an event loop's thread never writes
+        one; ppsync.core.dumps.flush_dumps waits for it)."""
         register(self)
 
     def finish_handshake(self) -> None:
@@ -253,16 +257,19 @@ class PathBase:
         self.codec.reuse(buf)
 
     def failed(
-        self, err: PPSyncError, *, settle: bool = True, observed: bool = True
+        self, err: PPSyncError, *, settle: bool = True, observed: bool = True,
+        dump: bool = True,
     ) -> PPSyncError:
         """The error to raise for ``err``: the same type on every rank for one
         cause, naming the culprit where the board knows it (see
         ppsync.core.waits.named_failure); ``err`` itself without a board.
-        The error is recorded and, with a dump directory, dumped; its message
-        names the file."""
+        With ``dump`` the error is recorded and, with a dump directory,
+        dumped; a note on it names the file (False: a caller that asks
+        again once the others posted, and dumps that answer only)."""
         named = named_failure(err, self.board, rank=self.rank, settle=settle,
                               observed=observed)
-        dump_on_error(self, named)
+        if dump:
+            dump_on_error(self, named)
         return named
 
     def leave(self, reason: str) -> None:

@@ -231,6 +231,11 @@ class FlightRecorder:
                    "kind": EVENT_KINDS[kind] if 0 <= kind < len(EVENT_KINDS) else "error",
                    **d}
 
+    @property
+    def error_names(self) -> list[str]:
+        """The error type names that events' ``error`` words index (1-based)."""
+        return self._errors
+
     def in_flight_seqs(self) -> list[int]:
         """Seqs issued and not seen complete, oldest first."""
         lo = max(self._oldest, self._next - _TABLE)

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ppsync.debug.load import load, validate_file, validators
-from ppsync.debug.show import analyse, format_report, group_dumps
+from ppsync.debug.load import RankDump, Unreadable, load, validate_file, validators
+from ppsync.debug.show import analyse, format_report, group_dumps, pick_run
 from ppsync.debug.trace import trace
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.export import export
@@ -50,18 +50,27 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _load_all(files: list[Path]) -> list[Any]:
+def _load_all(files: list[Path], run: int | None = None) -> list[RankDump]:
+    """The readable dumps of one run (``run``, else the newest); every file
+    skipped, and every other run ignored, is named on stderr."""
     dumps = []
     for f in _expand(files):
         try:
             dumps.append(load(f))
-        except (OSError, ValueError) as e:
-            print(f"ppsync: skipping {f}: {e}", file=sys.stderr)
-    return dumps
+        except Unreadable as e:
+            print(f"ppsync: skipping {e}", file=sys.stderr)
+    if not dumps:
+        return []
+    chosen, mine, others = pick_run(dumps, run)
+    ignored = "; ignored " + ", ".join(f"run {r:#x} ({n} dump{'s' * (n > 1)})"
+                                       for r, n in sorted(others.items())) if others else ""
+    print(f"ppsync: run {chosen:#x}: {len(mine)} dump{'s' * (len(mine) != 1)}{ignored}",
+          file=sys.stderr)
+    return mine
 
 
 def _show(args: argparse.Namespace) -> int:
-    dumps = _load_all(args.files)
+    dumps = _load_all(args.files, args.run_id)
     if not dumps:
         print("ppsync: no dump could be read", file=sys.stderr)
         return 1
@@ -75,7 +84,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    dumps = _load_all(args.files)
+    dumps = _load_all(args.files, args.run_id)
     if not dumps:
         print("ppsync: no dump could be read", file=sys.stderr)
         return 1
@@ -105,6 +114,14 @@ def point_at_dumps(dump_dir: Path | None) -> None:
           file=sys.stderr)
 
 
+def _run_id(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run id (an integer, "
+                                         "e.g. 0x1f2e...)") from None
+
+
 def add_debug_commands(sub: Any) -> None:
     """Add ``dump`` and ``schema`` to the ``ppsync`` parser's subparsers."""
     du = sub.add_parser("dump", help="read flight-recorder dumps")
@@ -117,11 +134,15 @@ def add_debug_commands(sub: Any) -> None:
     sh = dsub.add_parser("show", help="merge a group's dumps and name the culprit")
     sh.add_argument("files", type=Path, nargs="+", metavar="FILE")
     sh.add_argument("--json", action="store_true", help="print the report as JSON")
+    sh.add_argument("--run", dest="run_id", type=_run_id, default=None, metavar="ID",
+                    help="the run to read (its id, as show prints it; default the newest)")
     sh.set_defaults(run=_show)
     tr = dsub.add_parser("trace", help="write a Chrome/Perfetto trace of the dumps")
     tr.add_argument("files", type=Path, nargs="+", metavar="FILE")
     tr.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
                     help="trace file to write (JSON)")
+    tr.add_argument("--run", dest="run_id", type=_run_id, default=None, metavar="ID",
+                    help="the run to read (default the newest)")
     tr.set_defaults(run=_trace)
     sc = sub.add_parser("schema", help="the JSON Schemas of dumps and reports")
     ssub = sc.add_subparsers(dest="schema_command", required=True)

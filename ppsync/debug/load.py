@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import ValidationError
+from jsonschema.exceptions import ValidationError as SchemaError
+from pydantic import BaseModel, ValidationError
 
-from ppsync.schemas.dump import DumpFooter, DumpHeader
+from ppsync.schemas.dump import DumpEvent, DumpFooter, DumpHeader
 from ppsync.schemas.export import DUMP_LINE_SCHEMAS, schema_of
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,7 @@ def validators(schema_dir: Path | None = None) -> dict[str, Draft202012Validator
     return out
 
 
-def _field_of(err: ValidationError) -> str:
+def _field_of(err: SchemaError) -> str:
     path = ".".join(str(p) for p in err.absolute_path)
     if err.validator == "additionalProperties" and isinstance(err.instance, dict):
         known = err.schema.get("properties", {}) if isinstance(err.schema, dict) else {}
@@ -62,32 +65,73 @@ def _field_of(err: ValidationError) -> str:
     return path
 
 
+class Unreadable(ValueError):
+    """Raised when a file is not a dump: its message names the file and the
+    line (``file:line: what``)."""
+
+
+def _text_lines(file: Path) -> list[str]:
+    """The file's lines, decoded; Unreadable naming the first line that is
+    not UTF-8 text, or why the file cannot be read."""
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise Unreadable(f"{file}: cannot read: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise Unreadable(f"{file}:{line}: not text (byte {data[e.start]:#04x} is not "
+                         "UTF-8): not a dump") from None
+
+
+def _json(file: Path | str, line: int, text: str) -> object:
+    """One line's JSON value; Unreadable naming the line when it is none."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Unreadable(f"{file}:{line}: not JSON: {e}") from None
+    except RecursionError:
+        raise Unreadable(f"{file}:{line}: JSON nested too deeply to read") from None
+
+
 def validate_file(file: Path, checks: dict[str, Draft202012Validator]) -> list[Problem]:
-    """Every problem of one dump: lines that are not JSON, break their
-    schema, or come in the wrong order (header first, footer last)."""
+    """Every problem of one dump: a file that cannot be read or decoded,
+    lines that are not JSON, break their schema, or come in the wrong order
+    (header first, footer last)."""
     problems: list[Problem] = []
     name = str(file)
     try:
-        lines = file.read_text().splitlines()
-    except OSError as e:
-        return [Problem(name, 0, "", f"cannot read: {e}")]
+        lines = _text_lines(file)
+    except Unreadable as e:
+        where, _, why = str(e).partition(": ")
+        line = where.rsplit(":", 1)[1] if where.count(":") else "0"
+        return [Problem(name, int(line) if line.isdigit() else 0, "", why)]
     if not lines:
         return [Problem(name, 0, "", "empty file: a dump has a header and a footer line")]
     for i, text in enumerate(lines, start=1):
         try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            problems.append(Problem(name, i, "", f"not JSON: {e}"))
+            doc = _json(name, i, text)
+        except Unreadable as e:
+            problems.append(Problem(name, i, "", str(e).split(": ", 1)[1]))
             continue
         kind = doc.get("type") if isinstance(doc, dict) else None
         want = "header" if i == 1 else "footer" if i == len(lines) else "event"
+        if not isinstance(doc, dict):
+            problems.append(Problem(name, i, "", f"a JSON {type(doc).__name__}, not an object"))
+            continue
         if kind not in checks:
             problems.append(Problem(name, i, "type", f"{kind!r} is not one of "
                                     f"{sorted(checks)}"))
             continue
         if kind != want:
             problems.append(Problem(name, i, "type", f"{kind!r} where a {want!r} line belongs"))
-        for err in sorted(checks[kind].iter_errors(doc), key=lambda e: list(e.absolute_path)):
+        try:
+            errors = sorted(checks[kind].iter_errors(doc), key=lambda e: list(e.absolute_path))
+        except RecursionError:
+            problems.append(Problem(name, i, "", "JSON nested too deeply to check"))
+            continue
+        for err in errors:
             problems.append(Problem(name, i, _field_of(err), err.message))
     return problems
 
@@ -115,10 +159,28 @@ class RankDump:
         return c.wall_ns + (mono_ns - c.mono_ns)
 
 
+def _model(model: type[M], file: Path, line: int, doc: object) -> M:
+    try:
+        return model.model_validate(doc)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise Unreadable(f"{file}:{line}: {where or 'line'}: {first['msg']}") from None
+    except RecursionError:
+        raise Unreadable(f"{file}:{line}: JSON nested too deeply to read") from None
+
+
 def load(file: Path) -> RankDump:
-    """Load a dump (ValueError when it has no header or footer line)."""
-    lines = [json.loads(t) for t in file.read_text().splitlines() if t.strip()]
-    if len(lines) < 2 or lines[0].get("type") != "header" or lines[-1].get("type") != "footer":
-        raise ValueError(f"{file}: not a dump (a header line, events, a footer line)")
-    return RankDump(str(file), DumpHeader.model_validate(lines[0]), lines[1:-1],
-                    DumpFooter.model_validate(lines[-1]))
+    """Load a dump, every line checked against its model first; raises
+    :class:`Unreadable` naming the file and the first bad line."""
+    lines = [(i, t) for i, t in enumerate(_text_lines(file), start=1) if t.strip()]
+    if len(lines) < 2:
+        raise Unreadable(f"{file}:{len(lines)}: not a dump (a header line, events, "
+                         "a footer line)")
+    docs = [(i, _json(file, i, t)) for i, t in lines]
+    header = _model(DumpHeader, file, *docs[0])
+    footer = _model(DumpFooter, file, *docs[-1])
+    events = []
+    for i, doc in docs[1:-1]:
+        events.append(_model(DumpEvent, file, i, doc).model_dump())
+    return RankDump(str(file), header, events, footer)

@@ -13,11 +13,20 @@ so on a healthy group all ranks agree at every seq; the first seq where
 they do not is where the group split, and the ranks outside the majority
 (on a tie: outside the last rank's side) are the culprits.
 
-Verdict rules, first match wins: views differ -> desync at that seq; a rank
-never dumped -> lost (a survivor saw PeerLost) or silent (survivors timed
-out) at the oldest seq a survivor was waiting on; an error with every rank
-dumped -> the rank that stopped first (oldest last event), at the seq it
-stopped at; otherwise OK.
+Verdict rules, first match wins, each from evidence, never from absence:
+views differ -> desync at that seq; a survivor's error names the rank it
+waited on (PeerLost / SyncTimeout ``peer``, in its footer) -> that rank,
+lost or silent, whether or not it dumped (a stalled rank that resumed dumps
+too, last); a rank without a dump while a survivor failed -> lost or
+silent; an error with every rank dumped and no rank named -> the rank that
+stopped first (oldest last event, its own error event not counted);
+otherwise OK. A rank without a dump that nobody waited on is only "not at
+hand" (each host of a multi-host run keeps its own dump directory). The
+summary says how sure the verdict is.
+
+Dumps carry the run id the group agreed on at its handshake: ``show``
+reads one run (the newest opened, or the one asked for) and names the
+others it ignored.
 """
 
 from __future__ import annotations
@@ -103,6 +112,8 @@ class GroupReport(BaseModel):
     """The rank the verdict blames."""
     culprit_seq: int | None
     """The frame seq the verdict names."""
+    evidence: str
+    """How sure the verdict is, e.g. 'every survivor waited on rank 1'."""
     summary: str
     """One line, e.g. 'rank 1 lost at seq 1041: ranks 0 and 2 waited on it'."""
 
@@ -147,7 +158,10 @@ def _state(d: RankDump, t0_ns: int) -> RankState:
     waiting = f.in_flight[0] if f.in_flight else None
     err_seq = next((e["seq"] for e in reversed(d.events) if e["kind"] == "error"), -1)
     wseq = waiting.seq if waiting else (err_seq if err_seq >= 0 else None)
-    last_ev = d.wall_of(d.events[-1]["mono_ns"]) if d.events else None
+    # its own error event is recorded when it gives up (a stalled rank: when it
+    # resumes), so the last event of the work it did is what dates it
+    work = [e for e in d.events if e["kind"] != "error"]
+    last_ev = d.wall_of(work[-1]["mono_ns"]) if work else None
     return RankState(
         rank=d.rank, group_rank=d.header.group_rank, dumped=True, reason=d.header.reason,
         error=f"{f.error_type}: {f.error_message}" if f.error_type else None,
@@ -184,21 +198,42 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
     div = _divergence(dumps)
     errors = [s for s in live if s.error]
     waiters = [s for s in live if s.waiting_seq is not None]
+    named: dict[int, list[int]] = {}  # rank -> ranks whose error names it as the one waited on
+    for d in dumps:
+        peer = d.footer.error_peer
+        if peer is not None and peer != d.rank and peer in group:
+            named.setdefault(peer, []).append(d.rank)
     verdict: Verdict = "ok"
     culprit: int | None = None
     seq: int | None = None
+    evidence = "no error in the dumps at hand"
     if div is not None:
         verdict, culprit, seq = "desync", div.ranks[0], div.seq
+        evidence = f"the views of seq {div.seq} differ"
         summary = (f"{_names(div.ranks)} diverged at seq {div.seq}: view {div.view} vs "
                    f"{div.others_view} of {_names(div.others)}")
-    elif missing:
+    elif named:
+        culprit = max(sorted(named), key=lambda r: len(named[r]))
+        namers = named[culprit]
+        kinds = {by_rank[r].footer.error_type for r in namers}
+        verdict = "lost" if "PeerLost" in kinds else "silent"
+        failed = [s.rank for s in errors if s.rank != culprit]
+        evidence = (f"every survivor waited on rank {culprit}" if set(namers) >= set(failed)
+                    else f"{_names(namers)} waited on rank {culprit}; "
+                    f"{_names([r for r in failed if r not in namers])} named no rank")
+        seq = min((s.waiting_seq for s in waiters if s.rank in namers
+                   and s.waiting_seq is not None), default=None)
+        summary = (f"rank {culprit} {verdict} at seq {seq}: {_names(namers)} waited on it")
+    elif missing and errors:
         kinds = {s.error.split(":")[0] for s in errors if s.error}
-        verdict = "lost" if "PeerLost" in kinds else "silent" if kinds else "lost"
+        verdict = "lost" if "PeerLost" in kinds else "silent"
         culprit = missing[0]
         seq = min((s.waiting_seq for s in waiters if s.waiting_seq is not None), default=None)
         if seq is None:
             seq = max((s.last_seq or -1 for s in live), default=-1) + 1
-        who = [s.rank for s in waiters] or [s.rank for s in live]
+        who = [s.rank for s in errors]
+        evidence = (f"no dump from {_names(missing)}, and {_names(who)} failed waiting; "
+                    "no error named the rank")
         summary = (f"{_names(missing)} {verdict} at seq {seq}: {_names(who)} "
                    f"waited on {'it' if len(missing) == 1 else 'them'}")
     elif errors:
@@ -207,23 +242,56 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
         culprit = first.rank
         seq = (first.last_seq or 0) + 1 if first.waiting_seq is None else first.waiting_seq
         others = [s.rank for s in live if s.rank != culprit]
+        evidence = ("no error named a rank; the oldest last event (own error events not "
+                    f"counted) is rank {culprit}'s" if verdict == "stopped"
+                    else "one rank's own error")
         summary = (f"rank {culprit} stopped first at seq {seq}: {_names(others)} "
                    f"waited on it" if verdict == "stopped"
                    else f"rank {culprit} failed: {first.error}")
     else:
         top = max((s.last_seq or -1) for s in live) if live else -1
         summary = f"OK: {len(live)} ranks, no error, up to seq {top}"
+        if missing:
+            evidence = (f"no dump from {_names(missing)}: not at hand (nobody waited on "
+                        f"{'it' if len(missing) == 1 else 'them'})")
+            summary += f"; {evidence}"
     return GroupReport(group_ranks=group, ranks=states, missing=missing, ahead=ahead,
                        stopped_first=stopped, divergence=div, verdict=verdict,
-                       culprit_rank=culprit, culprit_seq=seq, summary=summary)
+                       culprit_rank=culprit, culprit_seq=seq, evidence=evidence,
+                       summary=summary)
 
 
 def group_dumps(dumps: Sequence[RankDump]) -> list[list[RankDump]]:
-    """Dumps split by group (same group_ranks), each in rank order."""
+    """Dumps split by group (same group_ranks), each in rank order; one dump
+    per rank (a rank's newest, by when its token path was opened, then
+    written)."""
+    newest: dict[int, RankDump] = {}
+    for d in dumps:
+        have = newest.get(d.rank)
+        if have is None or _when(d) > _when(have):
+            newest[d.rank] = d
     groups: dict[tuple[int, ...], list[RankDump]] = {}
-    for d in sorted(dumps, key=lambda d: d.rank):
+    for d in sorted(newest.values(), key=lambda d: d.rank):
         groups.setdefault(tuple(d.header.group_ranks), []).append(d)
     return list(groups.values())
+
+
+def _when(d: RankDump) -> tuple[int, int]:
+    return d.header.opened_wall_ns, d.header.clock.wall_ns
+
+
+def pick_run(dumps: Sequence[RankDump], run: int | None) -> tuple[int, list[RankDump],
+                                                                   dict[int, int]]:
+    """(run id, its dumps, {other run id: its dump count}): the run asked
+    for, else the one opened last (a directory may hold several runs' dumps:
+    an earlier run's, a token path built anew)."""
+    runs: dict[int, list[RankDump]] = {}
+    for d in dumps:
+        runs.setdefault(d.header.run_id, []).append(d)
+    if run is None:
+        run = max(runs, key=lambda r: max(_when(d) for d in runs[r]))
+    others = {r: len(ds) for r, ds in runs.items() if r != run}
+    return run, runs.get(run, []), others
 
 
 def format_report(report: GroupReport) -> str:
@@ -252,4 +320,5 @@ def format_report(report: GroupReport) -> str:
         lines.append(f"first differing seq {d.seq}: {_names(d.ranks)} {d.view}")
         lines.append(f"{'':>{len(str(d.seq)) + 21}}{_names(d.others)} {d.others_view}")
     lines.append(f"verdict: {report.summary}")
+    lines.append(f"evidence: {report.evidence}")
     return "\n".join(lines)

@@ -51,7 +51,7 @@ class SyncConfig(BaseModel):
     default); 'device': with torch ops where the tensors live, checks
     deferred by one step (what a GPU needs: no host sync per step). Every
     rank must use the same codec (the handshake compares it)."""
-    flight_events: int = Field(default=4096, ge=0, le=1 << 20)
+    flight_events: int = Field(default=4096, ge=0, le=1 << 18)
     """Events the flight recorder keeps (the newest; 0 = recorder off). A
     rank-local setting: ranks need not agree on it."""
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ppsync.schemas.config import SyncConfig
 
-DUMP_FORMAT_VERSION = 1
+DUMP_FORMAT_VERSION = 2
 
 DUMP_DIR_ENV = "PPSYNC_DUMP_DIR"
 """Environment variable naming the directory automatic dumps go to."""
@@ -72,6 +72,14 @@ class DumpHeader(BaseModel):
     """Host name of the writer."""
     pid: int = Field(ge=0)
     """Process id of the writer."""
+    run_id: int
+    """The run id every rank of the group agreed on at the start-up
+    handshake (0 before it finished): dumps of one run share it, and a
+    token path built anew (a new handshake) has another. ``ppsync dump
+    show`` reads one run's dumps."""
+    opened_wall_ns: int
+    """Wall-clock ns when the token path was built: the newest run is the
+    one opened last."""
     clock: ClockPair
     """Wall and monotonic clocks read together at dump time."""
     reason: DumpReason
@@ -170,6 +178,9 @@ class DumpFooter(BaseModel):
     """Type name of the error that triggered the dump (None: no error)."""
     error_message: str | None
     """Its message."""
+    error_peer: int | None = None
+    """The global rank the error names as lost or silent (PeerLost /
+    SyncTimeout ``.peer``), where known: the rank this one waited on."""
     in_flight: list[InFlight]
     """Receives and sends in flight at dump time, oldest first."""
     last_step: int = Field(ge=0)

@@ -183,7 +183,7 @@ async def await_path_work(path: TokenPath, work: dist.Work, what: str) -> None:
             raise
         observed = not isinstance(e, Relayed)
         # post first, so the others can settle too
-        path.failed(e, settle=False, observed=observed)
+        path.failed(e, settle=False, observed=observed, dump=False)
         # give the survivors the board's grace to post: a bounded wait, failure path only
         deadline = anyio.current_time() + board.grace_s
         while len(board.missing()) > 1 and anyio.current_time() < deadline:  # noqa: ASYNC110 (a store, not an event)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
+from ppsync.core.dumps import flush_dumps
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.path_base import takes_args_of
 from ppsync.core.released import ReleasedStep
@@ -131,6 +132,7 @@ async def open_rank(
     where the device codec's frames live (see :class:`TokenPath`)."""
     path = TokenPath(config, group, board=board, names=SERVICE_NAMES, wait_handshake=False,
                      device=device)
+    path.dump_inline = False  # an error's dump is written off the loop's thread
     service: BroadcastService | ReceiveService = (
         BroadcastService(path) if path.is_last else ReceiveService(path)
     )
@@ -167,3 +169,6 @@ async def open_rank(
         else:
             reason = f"its engine raised {type(exc).__name__}: {exc}"
         path.close(drain=False, reason=reason)
+        if exc is not None:  # the dump an error's note names is on disk before it leaves
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(flush_dumps)

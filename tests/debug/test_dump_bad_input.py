@@ -33,8 +33,8 @@ def _rank(env: RankEnv) -> tuple[str, int]:
         try:  # num_sampled 2 > the width 1 sent: rejected before any collective
             path.publish(decode_view(IDX), torch.tensor([[7], [8]]),
                          torch.full((2,), 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
-        except BatchError as e:
-            message = str(e)
+        except BatchError as e:  # the message as raised; the dump named in a note
+            message = "\n".join([str(e), *getattr(e, "__notes__", [])])
         path.publish(decode_view(IDX), torch.tensor([[7], [8]]),
                      torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
     else:
@@ -53,7 +53,7 @@ def test_a_bad_input_is_dumped_and_named_before_it_reaches_the_caller(tmp_path: 
                                  env={DUMP_DIR_ENV: str(tmp_path)})
     assert receiver[1] == 8  # the valid step after the rejected one arrived intact
     message = last[0]
-    match = re.search(r"num_sampled\[0\] = 2 outside \[0, w = 1\].*\[flight record: (\S+)\]$",
+    match = re.search(r"num_sampled\[0\] = 2 outside \[0, w = 1\][^\n]*\nflight record: (\S+)$",
                       message)
     assert match, message
     dump = Path(match.group(1))

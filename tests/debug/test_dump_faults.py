@@ -145,7 +145,8 @@ def _rank(case: Case, out: Path, env: RankEnv, backend: str | None = None) -> No
             error = e
             path.close(drain=False)
     write_json(out / f"rank{env.rank}.json", {
-        "error": "" if error is None else type(error).__name__, "message": str(error or ""),
+        "error": "" if error is None else type(error).__name__,
+        "message": "\n".join([str(error or ""), *getattr(error, "__notes__", [])]),
         "at": time.monotonic(),
     })
     if case == "stop" and env.rank == 0:
@@ -224,7 +225,7 @@ def _survivors_dumped_in_time(tmp_path: Path, fault_at: float) -> dict[int, dict
             continue
         o = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert o["error"], o  # the fault stopped it
-        assert "[flight record: " in o["message"], o  # the message names the dump
+        assert "\nflight record: " in o["message"], o  # a note names the dump
         assert 0 <= o["at"] - fault_at <= TIMEOUT_S + 5, o
         seen[r] = o
     return seen
@@ -244,6 +245,9 @@ def test_lost_or_silent_middle_rank_is_named(
     fault_at = json.loads((tmp_path / "victim.json").read_text())["at"]
     outcomes = _survivors_dumped_in_time(tmp_path, fault_at)
     files = _check_dumps(dumps, [0, 2])
+    for f in files:  # one failure, one error recorded and dumped (the services included)
+        kinds = [json.loads(t).get("kind") for t in f.read_text().splitlines()]
+        assert kinds.count("error") == 1, (f, kinds[-5:])
     report = _show(files, capsys)
     print(json.dumps(report["summary"]))
     assert report["missing"] == [VICTIM], report
