@@ -22,7 +22,6 @@ import faulthandler
 import functools
 import json
 import os
-import queue
 import signal
 import socket
 import sys
@@ -243,51 +242,56 @@ def dump_on_error(path: Dumpable, err: BaseException) -> None:
 
 
 class _Writer:
-    """One thread that writes the dumps an event loop's thread hands it, in
-    order; :func:`flush_dumps` waits for them (and the process's exit does)."""
+    """Writes the dumps an event loop's thread hands over, each in a thread
+    of its own (failures are rare; no thread outlives its dump).
+    :func:`flush_dumps` waits for them, and so does the process's exit."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[_Snapshot, Path] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._atexit = False
 
     def submit(self, snap: _Snapshot, file: Path) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ppsync-dumps",
-                                                daemon=True)
-                self._thread.start()
-                atexit.register(flush_dumps)
-        self._queue.put((snap, file))
+        def write() -> None:
+            with contextlib.suppress(Exception):  # the error itself is raised to the caller
+                snap.write(file)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is not None:
-                    with contextlib.suppress(Exception):  # named nowhere: the error is raised
-                        item[0].write(item[1])
-            finally:
-                self._queue.task_done()
+        thread = threading.Thread(target=write, name="ppsync-dump", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+            if not self._atexit:
+                atexit.register(flush_dumps)
+                self._atexit = True
+        thread.start()
+
+    def pending(self) -> bool:
+        with self._lock:
+            return any(t.is_alive() for t in self._threads)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every dump handed over is written; False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not self.pending()
 
 
 _writer = _Writer()
 
 
 def flush_dumps(timeout_s: float = 30.0) -> bool:
-    """Wait (at most ``timeout_s``) until every dump handed to the writer
-    thread is on disk; True when none is left. An event loop calls it in a
-    worker thread (``anyio.to_thread.run_sync``)."""
+    """Wait (at most ``timeout_s``) until every dump handed to a writer
+    thread is on disk; True when none is left. Blocks: an event loop awaits
+    :func:`dumps_pending` turning False instead."""
     return _writer.flush(timeout_s)
+
+
+def dumps_pending() -> bool:
+    """Whether a dump handed to a writer thread is still being written."""
+    return _writer.pending()
 
 
 def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:

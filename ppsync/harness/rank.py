@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.groups import pipeline_layout, token_groups
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
+from ppsync.core.token_path import TokenPath
 from ppsync.errors import ConfigError
 from ppsync.harness.driver import (
     Backend,

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.dumps import flush_dumps
+from ppsync.core.dumps import dumps_pending
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.path_base import takes_args_of
 from ppsync.core.released import ReleasedStep
@@ -169,6 +169,9 @@ async def open_rank(
         else:
             reason = f"its engine raised {type(exc).__name__}: {exc}"
         path.close(drain=False, reason=reason)
-        if exc is not None:  # the dump an error's note names is on disk before it leaves
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(flush_dumps)
+        if exc is not None and dumps_pending():
+            # the dump an error's note names is on disk before the error leaves
+            # (failure path only; bounded; the loop keeps running meanwhile)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                while dumps_pending():  # noqa: ASYNC110 (a thread's end, not an event)
+                    await anyio.sleep(0.01)

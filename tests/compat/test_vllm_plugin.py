@@ -1,4 +1,4 @@
-"""The vLLM plugin (ppsync.compat.vllm_plugin) on a stand-in of vLLM's module
+"""The vLLM plugin (ppsync.compat.vllm.plugin) on a stand-in of vLLM's module
 tree: off unless PPSYNC_VLLM=1; on, it swaps the PPHandler name in pp_utils
 and in the model runner module (imported before or after), twice is
 harmless, and the model runner then builds ppsync's handler on vLLM's PP
@@ -24,7 +24,14 @@ from test_vllm_engine_calls import MISMATCHES, drive_mismatch
 from vllm_standin import drop_vllm_modules, use_standin, write_standin
 
 from ppsync.compat.vllm import PPHandler
-from ppsync.compat.vllm_plugin import ENV_SWITCH, MODEL_RUNNER, PP_UTILS, VllmPPHandler, register
+from ppsync.compat.vllm.plugin import (
+    ENV_SWITCH,
+    MODEL_RUNNER,
+    PP_UTILS,
+    VllmPPHandler,
+    register,
+    vllm_handler_class,
+)
 from ppsync.errors import ConfigError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
@@ -44,7 +51,7 @@ def _installed() -> bool:
                     "there are no entry points to read")
 def test_entry_point_is_declared_and_the_extra_adds_nothing() -> None:
     eps = [e for e in importlib.metadata.entry_points(group=GROUP) if e.name == "ppsync"]
-    assert [e.value for e in eps] == ["ppsync.compat.vllm_plugin:register"]
+    assert [e.value for e in eps] == ["ppsync.compat.vllm.plugin:register"]
     assert eps[0].load() is register
     meta = importlib.metadata.metadata("ppsync")
     assert "vllm" in (meta.get_all("Provides-Extra") or [])
@@ -89,11 +96,11 @@ def test_switched_on_it_swaps_both_names_when_the_runner_is_already_imported(
     assert getattr(_handler_class(MODEL_RUNNER), "standin", False)
     monkeypatch.setenv(ENV_SWITCH, "1")
     register()
-    assert _handler_class(PP_UTILS) is VllmPPHandler
-    assert _handler_class(MODEL_RUNNER) is VllmPPHandler
+    assert _handler_class(PP_UTILS) is vllm_handler_class()
+    assert _handler_class(MODEL_RUNNER) is vllm_handler_class()
     register()  # loaded twice: harmless
-    assert _handler_class(PP_UTILS) is VllmPPHandler
-    assert _handler_class(MODEL_RUNNER) is VllmPPHandler
+    assert _handler_class(PP_UTILS) is vllm_handler_class()
+    assert _handler_class(MODEL_RUNNER) is vllm_handler_class()
 
 
 def test_switched_on_the_runner_imported_later_binds_ppsyncs_handler(
@@ -102,7 +109,7 @@ def test_switched_on_the_runner_imported_later_binds_ppsyncs_handler(
     monkeypatch.setenv(ENV_SWITCH, "1")
     register()
     assert MODEL_RUNNER not in sys.modules  # the plugin does not import the runner
-    assert _handler_class(MODEL_RUNNER) is VllmPPHandler
+    assert _handler_class(MODEL_RUNNER) is vllm_handler_class()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
@@ -132,7 +139,7 @@ def plugin_rank(root: Path, env: RankEnv) -> list[list[int]]:
     runner = importlib.import_module(MODEL_RUNNER).GPUModelRunner(
         max_num_reqs=MAX_NUM_REQS, num_speculative_steps=0, device=CPU)
     h = runner.pp_handler
-    assert type(h) is VllmPPHandler and isinstance(h, PPHandler)
+    assert type(h) is vllm_handler_class() and isinstance(h, VllmPPHandler | PPHandler)
     assert dist.get_process_group_ranks(h.token_path.group) == [0, 1]
     board = h.token_path.board  # in the default group's store: every rank hears of a desync
     assert board is not None and board.ranks == [0, 1] and board.me == env.rank

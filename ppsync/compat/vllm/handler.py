@@ -1,11 +1,13 @@
-"""A drop-in for vLLM's ``PPHandler`` (Model Runner V2): its method names and
-return values, on top of :class:`ppsync.core.handler.TokenPath`.
+"""A drop-in for vLLM's ``PPHandler`` (Model Runner V2): what every interface
+shares, on top of :class:`ppsync.core.token_path.TokenPath`.
 
-Only the interface carries over from vLLM. One class serves vLLM 0.32's and
-0.33's interfaces (see :mod:`ppsync.compat.vllm_interface`), chosen by
-``interface=`` or from the installed vLLM; a call in the other interface's
-shape raises :class:`ProtocolError` naming both. Per engine step, every rank
-calls, in this order:
+Only the interface carries over from vLLM. Each of vLLM's handler interfaces
+is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_32, v0_33),
+stating its own signatures, widths and drafts; ppsync.compat.vllm.versions
+maps vLLM releases to them. ``PPHandler(..., interface=...)`` builds the
+interface's class (None: the installed vLLM's); a call in another
+interface's shape raises :class:`ProtocolError` naming both. Per engine
+step, every rank calls, in this order:
 
 1. :meth:`PPHandler.get_prev_sampled_outputs` and applies what it returns
    (non-last ranks: step T-D's tokens; the last rank: None);
@@ -40,31 +42,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Literal, NotRequired, TypedDict, TypeVar
+from typing import Any, ClassVar, Literal, NotRequired, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ppsync.compat.vllm_checks import (
-    NOT_GIVEN,
-    check_empty_table,
-    check_held_batch,
-    check_recv_drafts,
-    detached,
-    other_interface,
-    rebuilt_like,
-    step_width,
-)
-from ppsync.compat.vllm_interface import Interface, relay_keys_of, resolve_interface
+from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, rebuilt_like
+from ppsync.compat.vllm.versions import relay_keys_of, resolve_interface
 from ppsync.core.aux_relay import AuxRelay
-from ppsync.core.batch import batch_view_of
-from ppsync.core.checks import check_draft_table, check_draft_table_meta, check_step_drafts
+from ppsync.core.batch import BatchView
+from ppsync.core.frame.codec import StepDrafts
 from ppsync.core.groups import token_group
-from ppsync.core.handler import TokenPath
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
+from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import CallNames, PreparedStep
-from ppsync.errors import BatchError, ConfigError, ProtocolError
+from ppsync.core.token_path import TokenPath
+from ppsync.errors import ConfigError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 
 __all__ = ["PPHandler", "SampledOutputs"]
@@ -90,16 +84,26 @@ class PPHandler:
 
     ``group`` is the PP group (None: the default group, passed explicitly
     here, never looked up further down). The handler makes its own token
-    group with the same ranks (rule 6 of docs/design.md), over gloo because frames
-    are host buffers, collectively over the PP group's members only, so every
-    member must construct its handler at the same point. ``ring_depth`` is D
-    (None: pp_size); ``timeout_s`` bounds every wait; ``interface`` is
-    ``"0.32"``, ``"0.33"`` or None (the installed vLLM's; "0.32" without
-    vLLM); ``board``: where ranks post failures, so that every rank learns of a
-    desync or a lost peer that one rank saw ("group", the default: in the
-    token group's own store; None: no board). Bad values raise :class:`ConfigError`
-    before any collective.
+    group with the same ranks (rule 6 of docs/design.md), collectively over
+    the PP group's members only, so every member must construct its handler
+    at the same point. ``ring_depth`` is D (None: pp_size); ``timeout_s``
+    bounds every wait; ``interface``: the vLLM interface served (see
+    ppsync.compat.vllm.versions; None: the installed vLLM's), which picks
+    the subclass this call builds; ``board``: where ranks post failures
+    ("group", the default: in the token group's own store; None: no board);
+    ``codec``: None picks the device codec for a non-CPU device. Bad values
+    raise :class:`ConfigError` before any collective.
     """
+
+    interface: ClassVar[str | None] = None
+    """The interface a subclass serves (None: this base, which picks one)."""
+
+    def __new__(cls, *args: Any, interface: str | None = None, **kwargs: Any) -> PPHandler:
+        if cls.interface is None:  # PPHandler(...) itself: the interface's class
+            # the table imports the subclasses, which import this module
+            from ppsync.compat.vllm.versions import handler_class
+            cls = handler_class(resolve_interface(interface))
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -114,7 +118,9 @@ class PPHandler:
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
     ) -> None:
-        self.interface: Interface = resolve_interface(interface)
+        if interface is not None and resolve_interface(interface) != self.interface:
+            raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "
+                              f"{self.interface!r}")
         if not dist.is_initialized():
             raise ConfigError(
                 "torch.distributed is not initialized: call init_process_group() before "
@@ -166,26 +172,42 @@ class PPHandler:
         streaming request re-added)."""
         self._path.free(req_idx)
 
+    # -- each interface's calls (its subclass states their shapes) ----------------
+
     def get_prev_sampled_outputs(
-        self, draft_tokens_to_update: torch.Tensor | None = None  # 0.32: [max_num_reqs, K]
+        self, draft_tokens_to_update: torch.Tensor | None = None
     ) -> SampledOutputs | None:
         """Start a step. Non-last ranks: release the step received D steps
-        ago (see :class:`SampledOutputs`); None for an empty ring slot or when
-        every row is excluded. Interface 0.32 scatters the drafts of kept rows
-        into ``draft_tokens_to_update[slot]`` (with K = 0 the table is
-        ``[max_num_reqs, 0]`` and nothing is scattered); 0.33 takes no table
-        and returns the drafts as ``draft_tokens``. The last rank: sends a
-        step still held for its drafts, without them, and returns None."""
-        if self.interface == "0.33" and draft_tokens_to_update is not None:
-            raise other_interface(self.interface,
-                "get_prev_sampled_outputs(draft_tokens_to_update)",
-                "get_prev_sampled_outputs() takes no draft table; the drafts come back as "
-                "'draft_tokens'")
+        ago; the last rank: send a step still held for its drafts, without
+        them, and return None."""
+        raise NotImplementedError
+
+    def receive(self, input_batch: object, recv_drafts: object = NOT_GIVEN) -> bool:
+        """Post this step's receive. True iff every row needs a sample."""
+        raise NotImplementedError
+
+    def broadcast(self, sampled_token_ids: torch.Tensor, num_sampled: torch.Tensor,
+                  num_rejected: torch.Tensor, input_batch: object) -> None:
+        """Check this step's sampler outputs and send them (K > 0: hold them
+        for :meth:`broadcast_drafts`)."""
+        raise NotImplementedError
+
+    def broadcast_drafts(self, draft_tokens: torch.Tensor,
+                         input_batch: object = NOT_GIVEN) -> None:
+        """Send the held step with its drafts as one frame."""
+        raise NotImplementedError
+
+    # -- what the interfaces' calls are made of ------------------------------------
+
+    def _start(self, table: torch.Tensor | None) -> tuple[SampledOutputs, ReleasedStep] | None:
+        """The start of a step: the last rank sends a held step (no drafts)
+        and gets None; a receiver releases step T-D, scattering drafts of
+        kept rows into ``table`` ([max_num_reqs, K]; K = 0: ignored), and
+        gets its outputs on this handler's device with the released step."""
         if self._path.is_last:
             self._check_open("get_prev_sampled_outputs")
             self._flush_held()
             return None
-        table = draft_tokens_to_update
         if table is not None and self.config.num_speculative_steps == 0:
             check_empty_table(table, self.config.max_num_reqs)
             table = None  # [max_num_reqs, 0]: nothing to scatter
@@ -195,131 +217,54 @@ class PPHandler:
         if released is None:
             return None
         d = self.device
-        out = SampledOutputs(
+        return SampledOutputs(
             sampled_tokens=released.sampled_tokens.to(d),
             num_sampled=released.num_sampled.to(d),
             num_rejected=released.num_rejected.to(d),
             idx_mapping=released.idx_mapping.to(d),
-        )
-        if self.interface == "0.33":
-            drafts = released.draft_tokens
-            out["draft_tokens"] = None if drafts is None else drafts.to(d)
-        return out
+        ), released
 
-    # -- non-last ranks -------------------------------------------------------
-
-    def receive(self, input_batch: object, recv_drafts: object = NOT_GIVEN) -> bool:
-        """Post this step's receive. True iff every row needs a sample; False
-        when some row does not, or the step has no transfer at all.
-
-        Interface 0.33: ``recv_drafts`` says whether the last rank calls
-        ``broadcast_drafts`` this step; a frame that disagrees raises
-        :class:`DesyncError` at its consume (on every rank, with a board)."""
-        expect: bool | None = None
-        width: int | None = None
-        if self.interface == "0.32":
-            if recv_drafts is not NOT_GIVEN:
-                raise other_interface(self.interface, "receive(input_batch, recv_drafts)",
-                                            "receive() takes input_batch only")
-        else:
-            if recv_drafts is NOT_GIVEN:
-                raise other_interface(self.interface, "receive(input_batch)",
-                                            "receive() takes (input_batch, recv_drafts)")
-            expect = check_recv_drafts(recv_drafts, self.config.num_speculative_steps)
-            width = step_width(input_batch, self.config.sample_width)
-        view = batch_view_of(input_batch)
+    def _post(self, view: BatchView, expect: bool | None, width: int | None) -> bool:
         # order errors name vLLM's calls: the token path has VLLM_NAMES
         needed = self._path.post(view, expect_drafts=expect, sample_width=width)
         return view.num_reqs > 0 and needed == view.num_reqs
 
-    # -- last rank --------------------------------------------------------------
-
-    def broadcast(
-        self,
-        sampled_token_ids: torch.Tensor,  # [num_reqs, w] int64, 1 <= w <= L, -1 padded
-        num_sampled: torch.Tensor,  # [num_reqs] int32
-        num_rejected: torch.Tensor,  # [num_reqs] int32
-        input_batch: object,
-    ) -> None:
-        """Check this step's sampler outputs (all before any collective) and
-        send them; with K > 0, hold them for :meth:`broadcast_drafts`.
-        Interface 0.33: the tokens are at most the step's width wide (1 when
-        ``input_batch.num_draft_tokens == 0``), and receivers get that width."""
+    def _broadcast(self, view: BatchView, sampled_token_ids: torch.Tensor,
+                   num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+                   width: int | None) -> None:
+        """Check a step (all before any collective); send it, or with K > 0
+        hold it for its drafts."""
         self._flush_held()  # the previous step's drafts did not come
-        width = None
-        if self.interface == "0.33":
-            width = step_width(input_batch, self.config.sample_width)
-        if width is not None:
-            got = getattr(sampled_token_ids, "shape", (0, 0))
-            if len(got) == 2 and got[1] > width:
-                raise BatchError(
-                    f"sampled_token_ids.shape[1] = {got[1]} exceeds this step's sample width "
-                    f"{width} (interface 0.33: L = K + 1 = {self.config.sample_width} only "
-                    "when input_batch.num_draft_tokens > 0, else 1)")
-        step, _ = self._path.prepare(batch_view_of(input_batch), sampled_token_ids,
-                                     num_sampled, num_rejected, sample_width=width)
+        step, _ = self._path.prepare(view, sampled_token_ids, num_sampled, num_rejected,
+                                     sample_width=width)
         if self.config.num_speculative_steps == 0:
             self._path.send(step)
         else:
             self._held = detached(step)
 
-    def broadcast_drafts(
-        self,
-        draft_tokens: torch.Tensor,  # 0.32: [max_num_reqs, K] by request slot; 0.33: [num_reqs, K]
-        input_batch: object = NOT_GIVEN,  # 0.32 only
-    ) -> None:
-        """Send the held step with its drafts as one frame: interface 0.32
-        gathers ``draft_tokens[idx_mapping]`` from the table and checks that
-        ``input_batch`` is the held step's; 0.33 takes them gathered.
-
-        Raises :class:`BatchError` when K = 0, the drafts are malformed, or
-        ``input_batch`` is not the held step's batch; :class:`ProtocolError`
-        when no :meth:`broadcast` of this step holds a frame. On any error the
-        held step stays held and goes without drafts when the next step starts."""
+    def _held_step(self) -> PreparedStep:
         self._check_open("broadcast_drafts")
         self._path.require_role("broadcast_drafts", last=True)
-        if self.interface == "0.32" and input_batch is NOT_GIVEN:
-            raise other_interface(self.interface,
-                "broadcast_drafts(draft_tokens)",
-                "broadcast_drafts() takes (draft_tokens [max_num_reqs, K], input_batch)")
-        if self.interface == "0.33" and input_batch is not NOT_GIVEN:
-            raise other_interface(self.interface,
-                "broadcast_drafts(draft_tokens, input_batch)",
-                "broadcast_drafts() takes the drafts [num_reqs, K] only, already gathered")
-        K = self.config.num_speculative_steps
-        on_device = self._path.codec.on_device
-        table_np = None
-        if self.interface == "0.32" and not on_device:
-            table_np = check_draft_table(draft_tokens, max_num_reqs=self.config.max_num_reqs,
-                                         num_drafts=K)
-        if self.interface == "0.32" and on_device:
-            check_draft_table_meta(draft_tokens, max_num_reqs=self.config.max_num_reqs,
-                                   num_drafts=K, device=self._path.platform.device)
         held = self._held
         if held is None:
             raise ProtocolError(
                 "broadcast_drafts() without a held step: call broadcast() first in the same "
                 "step, and broadcast_drafts() at most once per step"
             )
-        if on_device:
-            drafts: torch.Tensor = draft_tokens
-            if self.interface == "0.32":
-                check_held_batch(held, input_batch, self.config.max_num_reqs)
-                # gathered on the device (rule 4's rows); the slots are host facts
-                idx = torch.from_numpy(held.facts.idx)
-                drafts = draft_tokens.index_select(0, idx.to(draft_tokens.device,
-                                                             non_blocking=True))
-            self._held = None
-            self._path.send(held, drafts)  # the meta checks of [num_reqs, K] run there
-            return
-        if table_np is None:
-            drafts_np = check_step_drafts(draft_tokens, num_reqs=held.view.num_reqs,
-                                          num_drafts=K)
-        else:
-            check_held_batch(held, input_batch, self.config.max_num_reqs)
-            drafts_np = table_np[held.facts.idx]  # [num_reqs, K], owns its memory
-        self._held = None  # cleared first: a failed send is never retried
-        self._path.send(held, drafts_np)
+        return held
+
+    def _send_held(self, drafts: StepDrafts) -> None:
+        """Send the held step with its [num_reqs, K] drafts; cleared first:
+        a failed send is never retried."""
+        held, self._held = self._held, None
+        assert held is not None
+        self._path.send(held, drafts)
+
+    @property
+    def _on_device(self) -> bool:
+        """The token path's codec keeps frames on the device (the one place
+        the adapter asks)."""
+        return self._path.codec.on_device
 
     # -- aux hidden states (rule 7) --------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Which of vLLM's ``PPHandler`` interfaces an adapter serves, and the few
-things the adapter reads from vLLM itself (imported lazily: ppsync never
+"""Which of vLLM's ``PPHandler`` interfaces a handler serves (installed
+version -> interface -> handler class), and the few things the handlers
+read from vLLM itself (imported lazily: ppsync never
 needs vLLM installed).
 
 Two interfaces, named after the vLLM release that introduced them:
@@ -21,11 +22,14 @@ import importlib
 import importlib.metadata
 import re
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from ppsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ppsync.compat.vllm.handler import PPHandler
 
 Interface = Literal["0.32", "0.33"]
 INTERFACES: tuple[Interface, ...] = ("0.32", "0.33")
@@ -68,12 +72,21 @@ def resolve_interface(interface: object) -> Interface:
     if interface is None:
         version = installed_vllm_version()
         return DEFAULT_INTERFACE if version is None else interface_for_version(version)
-    if interface == "0.32":
-        return "0.32"
-    if interface == "0.33":
-        return "0.33"
+    for known in INTERFACES:
+        if interface == known:
+            return known
     raise ConfigError(f"interface = {interface!r} must be one of {list(INTERFACES)} or None "
                       "(the installed vLLM's)")
+
+
+def handler_class(interface: Interface) -> type[PPHandler]:
+    """The class that serves ``interface``: the one table from interface
+    to handler class (each interface's class in its own module)."""
+    from ppsync.compat.vllm.v0_32 import PPHandler032
+    from ppsync.compat.vllm.v0_33 import PPHandler033
+
+    classes: dict[Interface, type[PPHandler]] = {"0.32": PPHandler032, "0.33": PPHandler033}
+    return classes[interface]
 
 
 def relay_keys_of(model: torch.nn.Module) -> Sequence[str]:

@@ -3,7 +3,8 @@
 vLLM loads every entry point of the group ``vllm.general_plugins`` in each of
 its processes, workers included (unless ``VLLM_PLUGINS`` names others);
 ppsync declares :func:`register` there as ``ppsync``. It does nothing unless
-``PPSYNC_VLLM=1``. Then it puts :class:`VllmPPHandler` in the place of the
+``PPSYNC_VLLM=1``. Then it puts the handler class of the installed vLLM's
+interface, made with vLLM's arguments (:func:`vllm_handler_class`), in the place of the
 ``PPHandler`` name in ``vllm.v1.worker.gpu.pp_utils`` and in the model runner
 module ``vllm.v1.worker.gpu.model_runner``, which binds that name when it is
 imported (so: now if it already is, else at its import, from pp_utils). The
@@ -24,10 +25,12 @@ import sys
 
 import torch
 
-from ppsync.compat.vllm import PPHandler
+from ppsync.compat.vllm.handler import PPHandler
+from ppsync.compat.vllm.versions import handler_class, resolve_interface
 from ppsync.errors import ConfigError
 
-__all__ = ["ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS", "VllmPPHandler", "register"]
+__all__ = ["ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS", "VllmPPHandler", "register",
+           "vllm_handler_class"]
 
 ENV_SWITCH = "PPSYNC_VLLM"
 """``PPSYNC_VLLM=1`` switches the plugin on; any other value or none: off."""
@@ -57,6 +60,21 @@ class VllmPPHandler(PPHandler):
         super().__init__(max_num_reqs, num_speculative_steps, device, group=group)
 
 
+_bound: dict[str, type[VllmPPHandler]] = {}
+
+
+def vllm_handler_class(interface: str | None = None) -> type[VllmPPHandler]:
+    """The class the plugin binds: the installed vLLM's interface (or
+    ``interface``) built with vLLM's own arguments and PP group. One class
+    per interface, made once."""
+    name = resolve_interface(interface)
+    if name not in _bound:
+        base = handler_class(name)
+        _bound[name] = type(f"Vllm{base.__name__}", (VllmPPHandler, base), {
+            "__doc__": f"{base.__doc__} Built by vLLM's model runner (the plugin)."})
+    return _bound[name]
+
+
 def register() -> None:
     """vLLM's entry point: with ``PPSYNC_VLLM=1``, replace vLLM's PPHandler
     by :class:`VllmPPHandler`; otherwise do nothing."""
@@ -70,11 +88,12 @@ def register() -> None:
     if not hasattr(pp_utils, _NAME):
         raise ConfigError(f"{ENV_SWITCH}=1 but {PP_UTILS} has no {_NAME} to replace "
                           "(a vLLM older than 0.32?)")
-    already = getattr(pp_utils, _NAME) is VllmPPHandler
-    setattr(pp_utils, _NAME, VllmPPHandler)
+    cls = vllm_handler_class()  # chosen once, by the installed version
+    already = getattr(pp_utils, _NAME) is cls
+    setattr(pp_utils, _NAME, cls)
     runner = sys.modules.get(MODEL_RUNNER)  # imported later: it binds ours from pp_utils
     if runner is not None and hasattr(runner, _NAME):
-        setattr(runner, _NAME, VllmPPHandler)
+        setattr(runner, _NAME, cls)
     if not already:
-        log.info("ppsync: vLLM's PPHandler replaced by %s.%s (%s=1)", __name__,
-                 VllmPPHandler.__name__, ENV_SWITCH)
+        log.info("ppsync: vLLM's PPHandler replaced by %s.%s (interface %s; %s=1)", __name__,
+                 cls.__name__, cls.interface, ENV_SWITCH)

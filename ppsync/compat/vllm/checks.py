@@ -1,4 +1,4 @@
-"""Checks and small helpers of the vLLM adapter (ppsync.compat.vllm): what
+"""Checks and small helpers of the vLLM handlers (ppsync.compat.vllm): what
 each interface's arguments must be, raised before any collective."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class NotGiven:
 NOT_GIVEN = NotGiven()
 
 
-def other_interface(interface: str, call: str, rule: str) -> ProtocolError:
-    """A call in the shape of the interface this handler does not serve."""
-    other = "0.33" if interface == "0.32" else "0.32"
+def other_interface(interface: str, other: str, call: str, rule: str) -> ProtocolError:
+    """A call in the shape of vLLM ``other``'s interface, made on a handler
+    that serves ``interface``'s."""
     return ProtocolError(
         f"{call} is vLLM {other}'s PPHandler interface, but this handler serves "
         f"{interface}'s (interface = {interface!r}), where {rule}")
