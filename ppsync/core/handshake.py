@@ -14,6 +14,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from ppsync.core.frame.codec import frames_on_device
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION
 from ppsync.core.transport import wait_work
 from ppsync.errors import DesyncError
@@ -27,7 +28,7 @@ def config_words(config: SyncConfig) -> list[int]:
     """What every rank must agree on, as integers (see ``_FIELDS``)."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
             config.num_speculative_steps, config.depth, int(config.wire == "exact"),
-            int(config.codec == "device")]
+            int(frames_on_device(config.codec))]
 
 
 class Handshake:

@@ -20,6 +20,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from ppsync.core.frame.codec import frames_on_device
 from ppsync.core.groups import pipeline_layout, token_groups
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
@@ -95,7 +96,7 @@ def rank_device(kind: str, codec: str, local_rank: int) -> torch.device | None:
     accelerator without the device codec or without a device to use."""
     if kind == "cpu":
         return None
-    if codec != "device":
+    if not frames_on_device(codec):
         raise ConfigError(f"--device {kind} needs --codec device (host frames live on the CPU)")
     mod = getattr(torch, kind, None)
     count = mod.device_count() if mod is not None and mod.is_available() else 0

@@ -51,7 +51,7 @@ from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, re
 from ppsync.compat.vllm.versions import relay_keys_of, resolve_interface
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView
-from ppsync.core.frame.codec import StepDrafts
+from ppsync.core.frame.codec import StepDrafts, default_codec, frames_home
 from ppsync.core.groups import token_group
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
@@ -133,8 +133,8 @@ class PPHandler:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
-        if codec is None:  # a GPU engine must not sync per step: the device codec there
-            codec = "host" if self.device.type == "cpu" else "device"
+        if codec is None:
+            codec = default_codec(self.device)
         config = SyncConfig.build(
             pp_size=dist.get_world_size(pp_group),
             max_num_reqs=max_num_reqs,
@@ -146,12 +146,10 @@ class PPHandler:
         self.config = config
         # the device codec's frames live on the engine's device: its backend
         # (nccl on CUDA, xccl on XPU); host frames go over gloo
-        platform = platform_for(self.device)
-        backend = platform.backend if codec == "device" else "gloo"
+        backend, platform = frames_home(codec, platform_for(self.device))
         tokens = token_group(pp_group, timeout_s=config.timeout_s, backend=backend)
         self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,
-                               device=self.device if codec == "device" else None,
-                               platform=platform if codec == "device" else None)
+                               platform=platform)
         self._aux = AuxRelay()
         self._held: PreparedStep | None = None  # last rank, K > 0: waiting for its drafts
 

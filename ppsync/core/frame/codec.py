@@ -14,7 +14,7 @@ num_sampled, num_rejected) are in ppsync.core.checks, shared by both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -95,6 +95,26 @@ class StepCodec(Protocol):
 
 
 
+def frames_on_device(codec: str) -> bool:
+    """Whether frames of the codec named ``codec`` live on the engine's
+    device (the device codec) rather than on the host."""
+    return codec == "device"
+
+
+def default_codec(device: torch.device) -> Literal["host", "device"]:
+    """The codec an engine on ``device`` gets when it names none: an
+    accelerator's engine must not sync per step, so its frames stay there."""
+    return "host" if device.type == "cpu" else "device"
+
+
+def frames_home(codec: str, platform: Platform) -> tuple[str, Platform | None]:
+    """(the token group's backend, the platform a token path takes; None:
+    the CPU's) for frames of ``codec`` in an engine on ``platform``."""
+    if frames_on_device(codec):
+        return platform.backend, platform
+    return "gloo", None
+
+
 def codec_for(config: SyncConfig, platform: Platform, *, backend: str, rank: int,
               src: int) -> StepCodec:
     """The codec ``config.codec`` names: the one place the choice is made."""
@@ -102,7 +122,7 @@ def codec_for(config: SyncConfig, platform: Platform, *, backend: str, rank: int
     from ppsync.core.frame.device_codec import DeviceCodec
     from ppsync.core.frame.host_codec import HostCodec
 
-    if config.codec == "device":
+    if frames_on_device(config.codec):
         return DeviceCodec(config, platform, backend=backend, rank=rank, src=src)
     if backend in DEVICE_ONLY_BACKENDS:
         raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
