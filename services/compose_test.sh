@@ -3,7 +3,7 @@
 # podman, from a bare Debian machine (as root; there is no Docker engine and no
 # image can be pulled).
 #
-#  1. installs podman, podman-compose, runc, netavark, aardvark-dns and
+#  1. installs podman, podman-compose, runc, netavark, aardvark-dns, iptables and
 #     debootstrap, and writes /etc/containers/containers.conf (runc; default
 #     ulimits within the hard limits: crun and podman's defaults are refused in
 #     this sandbox);
@@ -34,14 +34,16 @@ fail() { log "FAIL: $*"; exit 1; }
 
 install_tools() {
     local need=()
-    for tool in podman podman-compose runc debootstrap netavark aardvark-dns; do
+    # netavark sets up the containers' network with iptables: without it every
+    # container fails "netavark: No such file or directory"
+    for tool in podman podman-compose runc debootstrap netavark aardvark-dns iptables; do
         command -v "$tool" > /dev/null || [ -x "/usr/lib/podman/$tool" ] || need+=("$tool")
     done
     if [ ${#need[@]} -gt 0 ]; then
         log "installing ${need[*]}"
         apt-get update -q
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-            podman podman-compose runc debootstrap netavark aardvark-dns > /dev/null
+            podman podman-compose runc debootstrap netavark aardvark-dns iptables > /dev/null
     fi
     mkdir -p /etc/containers
     cat > /etc/containers/containers.conf <<'CONF'
