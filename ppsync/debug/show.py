@@ -313,7 +313,7 @@ def format_report(report: GroupReport) -> str:
     lines += [f"ahead: {a}" for a in report.ahead]
     if report.missing:
         lines.append(f"never dumped: {_names(report.missing)}")
-    if report.stopped_first is not None and report.verdict != "ok":
+    if report.verdict == "stopped":  # the rule that decided; else other evidence did
         lines.append(f"oldest last event: rank {report.stopped_first}")
     if report.divergence is not None:
         d = report.divergence
