@@ -168,6 +168,7 @@ class _Snapshot:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
         try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the dump from the reading tools
             with os.fdopen(fd, "w") as f:
                 f.write(self.header.model_dump_json() + "\n")
                 f.writelines(self._event_lines())
