@@ -115,7 +115,7 @@ class WorldEnv:
         with _joining():
             store = self._store_client(deadline, join_timeout_s)
             scope = run_scope(store, self, run_id)
-            self._arrive(store, scope, deadline, join_timeout_s)
+            self._arrive(store, scope, run_id, deadline, join_timeout_s)
             left = max(1.0, deadline - time.monotonic())
             try:
                 dist.init_process_group(
@@ -160,7 +160,8 @@ class WorldEnv:
             store.set_timeout(full)
             return store
 
-    def _arrive(self, store: Store, scope: str, deadline: float, join_timeout_s: float) -> None:
+    def _arrive(self, store: Store, scope: str, run_id: str | None, deadline: float,
+                join_timeout_s: float) -> None:
         """Post this rank's arrival under ``scope`` and wait, in slices, until
         every rank posted its own: after that, the rendezvous has every rank."""
         keys = [f"{scope}/arrived/{r}" for r in range(self.world_size)]
@@ -170,7 +171,7 @@ class WorldEnv:
                 if time.monotonic() >= deadline:
                     missing = [r for r, k in enumerate(keys) if not store.check([k])]
                     raise self._join_timeout(join_timeout_s,
-                                             _never_arrived(store, self, missing))
+                                             _never_arrived(store, self, run_id, missing))
                 time.sleep(JOIN_POLL_S)
         except RuntimeError as e:  # the store's host went away (DistNetworkError)
             host = "its host" if self.agent_store else "its host, rank 0,"
@@ -221,17 +222,22 @@ def run_scope(store: Store, world: WorldEnv, run_id: str | None) -> str:
     restart, and this rank's count of runs on this store under that name
     (every rank of a run counts the same, as long as each earlier run's
     ranks all got this far)."""
-    base = f"ppsync/{_base_id(world.run_id, run_id) or 'runs'}/attempt_{world.attempt}"
+    base = _run_base(world, run_id)
     count = store.add(f"{base}/runs_of_rank/{world.rank}", 1)
     return f"{base}/run_{count}"
 
 
-def _never_arrived(store: Store, world: WorldEnv, missing: list[int]) -> str:
+def _run_base(world: WorldEnv, run_id: str | None) -> str:
+    return f"ppsync/{_base_id(world.run_id, run_id) or 'runs'}/attempt_{world.attempt}"
+
+
+def _never_arrived(store: Store, world: WorldEnv, run_id: str | None,
+                   missing: list[int]) -> str:
     """Names the ranks that never arrived, and the run each counts on this
     store when it differs from this rank's (an earlier run lost a rank
     before it joined: give every rank one --run-id)."""
     names = ", ".join(f"rank {r}" for r in missing)
-    base = f"ppsync/{_base_id(world.run_id, None) or 'runs'}/attempt_{world.attempt}"
+    base = _run_base(world, run_id)
     mine = store.add(f"{base}/runs_of_rank/{world.rank}", 0)
     other = {r: store.add(f"{base}/runs_of_rank/{r}", 0) for r in missing}
     ahead = [r for r, n in other.items() if n not in (mine, mine - 1)]
