@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ppsync.core.recorder import FIELDS, FlightRecorder, clock_pair
-from ppsync.errors import ConfigError, PPSyncError
+from ppsync.errors import ConfigError, DesyncError, PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import (
     DUMP_DIR_ENV,
@@ -213,18 +213,38 @@ def _snapshot(path: Dumpable, reason: DumpReason, error: BaseException | None) -
     return _Snapshot(header, rows, rec.recorded - rows.shape[0], list(rec.error_names), footer)
 
 
-_dumped: weakref.WeakSet[BaseException] = weakref.WeakSet()
-"""Errors already recorded and dumped (once per error object)."""
+_notes: weakref.WeakKeyDictionary[BaseException, str] = weakref.WeakKeyDictionary()
+"""Errors already recorded, each with the note naming its dump ('' when no
+dump directory was set): once per error object, and once per failure."""
+
+_FAILURES = (PeerLost, SyncTimeout, DesyncError)
+"""Errors that end a token path's run: every later one is the same failure."""
+
+
+def _same_failure(first: BaseException | None, err: BaseException) -> bool:
+    """Whether ``err`` is the failure ``first`` already recorded, seen again:
+    in the async services the engine's call and the transfer watcher each
+    turn one lost peer into their own error of the same kind and peer."""
+    return (isinstance(first, _FAILURES) and type(err) is type(first)
+            and getattr(err, "peer", None) == getattr(first, "peer", None))
 
 
 def dump_on_error(path: Dumpable, err: BaseException) -> None:
     """Record ``err`` leaving ``path``; when a dump directory is set, write
     the dump (on the writer thread when the path is driven by an event loop,
     ``dump_inline`` False) and add a note naming its file to ``err``. Never
-    raises: a failed dump is named in the note instead. Once per error."""
-    if err in _dumped:
+    raises: a failed dump is named in the note instead. Once per error, and
+    once per failure: a later error of the same kind naming the same peer
+    (another task's view of it) gets the first one's note."""
+    if err in _notes:
         return
-    _dumped.add(err)
+    first = path.recorder.last_error
+    if first is not None and first in _notes and _same_failure(first, err):
+        _notes[err] = _notes[first]
+        if _notes[err]:
+            err.add_note(_notes[err])
+        return
+    _notes[err] = ""
     path.recorder.error(path.steps, err)
     directory = dump_dir()
     if directory is None:
@@ -239,7 +259,8 @@ def dump_on_error(path: Dumpable, err: BaseException) -> None:
         written = str(file)
     except Exception as e:  # the real error matters more than the dump
         written = f"not written: {type(e).__name__}: {e}"
-    err.add_note(f"flight record: {written}")
+    _notes[err] = f"flight record: {written}"
+    err.add_note(_notes[err])
 
 
 class _Writer:

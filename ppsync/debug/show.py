@@ -16,13 +16,14 @@ they do not is where the group split, and the ranks outside the majority
 Verdict rules, first match wins, each from evidence, never from absence:
 views differ -> desync at that seq; a survivor's error names the rank it
 waited on (PeerLost / SyncTimeout ``peer``, in its footer) -> that rank,
-lost or silent, whether or not it dumped (a stalled rank that resumed dumps
-too, last); a rank without a dump while a survivor failed -> lost or
-silent; an error with every rank dumped and no rank named -> the rank that
-stopped first (oldest last event, its own error event not counted);
-otherwise OK. A rank without a dump that nobody waited on is only "not at
-hand" (each host of a multi-host run keeps its own dump directory). The
-summary says how sure the verdict is.
+lost or silent as the first of them to give up saw it, whether or not it
+dumped (a stalled rank that resumed dumps too, last: silent, since it
+outlived their giving up); a rank without a dump while a survivor failed
+-> lost or silent; an error with every rank dumped and no rank named ->
+the rank that stopped first (oldest last event, its own error event not
+counted); otherwise OK. A rank without a dump that nobody waited on is
+only "not at hand" (each host of a multi-host run keeps its own dump
+directory). The summary says how sure the verdict is.
 
 Dumps carry the run id the group agreed on at its handshake: ``show``
 reads one run (the newest opened, or the one asked for) and names the
@@ -172,6 +173,13 @@ def _state(d: RankDump, t0_ns: int) -> RankState:
     )
 
 
+def _first_error(d: RankDump) -> tuple[int, str]:
+    """(wall ns, error type) of the rank's first error event; (when it
+    dumped, its footer's error type) when none was recorded."""
+    return next(((d.wall_of(e["mono_ns"]), e["error"] or "") for e in d.events
+                 if e["kind"] == "error"), (d.header.clock.wall_ns, d.footer.error_type or ""))
+
+
 def _names(ranks: Sequence[int]) -> str:
     r = [str(x) for x in ranks]
     if len(r) <= 1:
@@ -215,8 +223,12 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
     elif named:
         culprit = max(sorted(named), key=lambda r: len(named[r]))
         namers = named[culprit]
-        kinds = {by_rank[r].footer.error_type for r in namers}
-        verdict = "lost" if "PeerLost" in kinds else "silent"
+        # the namer that gave up first saw the fault itself (a later PeerLost
+        # may be only that namer leaving); a culprit whose own error came after
+        # it was alive when they gave up: stalled, then resumed
+        gave_up, kind = min(_first_error(by_rank[r]) for r in namers)
+        resumed = culprit in by_rank and _first_error(by_rank[culprit])[0] > gave_up
+        verdict = "lost" if kind == "PeerLost" and not resumed else "silent"
         failed = [s.rank for s in errors if s.rank != culprit]
         evidence = (f"every survivor waited on rank {culprit}" if set(namers) >= set(failed)
                     else f"{_names(namers)} waited on rank {culprit}; "
