@@ -37,14 +37,15 @@ needs_no_vllm = pytest.mark.skipif(not NO_VLLM, reason="a vLLM is installed here
 
 
 @pytest.mark.parametrize(("version", "interface"), [
-    ("0.32.0", "0.32"), ("0.32.3+cpu", "0.32"), ("0.33.0", "0.33"), ("0.33.1rc2", "0.33"),
+    ("0.31.0", "0.32"), ("0.32.0", "0.32"), ("0.32.3+cpu", "0.32"), ("0.33.0", "0.33"),
+    ("0.33.1rc2", "0.33"),
     ("0.34.0.dev5+gabc", "0.33"), ("1.0.0", "0.33"),
 ])
 def test_interface_follows_the_vllm_version(version: str, interface: str) -> None:
     assert interface_for_version(version) == interface
 
 
-@pytest.mark.parametrize(("version", "rule"), [("0.31.2", "predates"), ("main", "MAJOR.MINOR")])
+@pytest.mark.parametrize(("version", "rule"), [("0.30.2", "predates"), ("main", "MAJOR.MINOR")])
 def test_versions_without_a_known_interface_are_config_errors(version: str, rule: str) -> None:
     with pytest.raises(ConfigError, match=rule):
         interface_for_version(version)

@@ -87,7 +87,7 @@ def register() -> None:
                           "ppsync replaces the PPHandler of vLLM's Model Runner V2") from None
     if not hasattr(pp_utils, _NAME):
         raise ConfigError(f"{ENV_SWITCH}=1 but {PP_UTILS} has no {_NAME} to replace "
-                          "(a vLLM older than 0.32?)")
+                          "(a vLLM without Model Runner V2's PPHandler: before 0.23)")
     cls = vllm_handler_class()  # chosen once, by the installed version
     already = getattr(pp_utils, _NAME) is cls
     setattr(pp_utils, _NAME, cls)

@@ -53,17 +53,19 @@ def installed_vllm_version() -> str | None:
 
 
 def interface_for_version(version: str) -> Interface:
-    """The interface of vLLM ``version``: 0.32 for 0.32.x, 0.33 from 0.33 on
-    (the newest ppsync knows). Older releases have no PPHandler to replace."""
+    """The interface of vLLM ``version``: "0.32" for 0.31.x and 0.32.x (0.31's
+    pp_utils is 0.32's), "0.33" from 0.33 on (the newest ppsync knows).
+    Older releases have PPHandler interfaces ppsync does not serve yet
+    (0.23-0.30) or none (before 0.23): a ConfigError."""
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None:
         raise ConfigError(f"vLLM version {version!r} does not start with MAJOR.MINOR; "
                           f"pass interface= one of {list(INTERFACES)}")
     release = (int(m[1]), int(m[2]))
-    if release < (0, 32):
+    if release < (0, 31):
         raise ConfigError(f"vLLM {version} predates the PPHandler interfaces ppsync serves "
                           f"({', '.join(INTERFACES)})")
-    return "0.32" if release == (0, 32) else "0.33"
+    return "0.32" if release < (0, 33) else "0.33"
 
 
 def resolve_interface(interface: object) -> Interface:
