@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q --no-deps \
 		$(TORCH_PIP_NET) --extra-index-url $(TORCH_INDEX) '$(TORCH)'
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,jit]'
 	touch $(STAMP)
 
 venv: $(STAMP)

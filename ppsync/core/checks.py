@@ -175,6 +175,26 @@ def _first_bad(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> BatchErr
     return BatchError(f"{name}[{where}] = {int(a[i])} {rule}")
 
 
+def sampled_arrays(
+    sampled_token_ids: object,  # [num_reqs, w] int64, 1 <= w <= L
+    num_sampled: object,  # [num_reqs] int32
+    num_rejected: object,  # [num_reqs] int32
+    *,
+    num_reqs: int,
+    sample_width: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host arrays of one step's sampler outputs, their types, dtypes
+    and shapes checked (values not read)."""
+    # token ids are int64 end to end (vLLM asserts it): a narrower dtype is a
+    # caller's bug, and accepting it let a retried call send a step twice
+    tokens_np = _host("sampled_token_ids", sampled_token_ids, 2, (torch.int64,))
+    ns_np = _host("num_sampled", num_sampled, 1)
+    nr_np = _host("num_rejected", num_rejected, 1)
+    _check_shapes(tokens_np.shape, ns_np.shape, nr_np.shape, num_reqs=num_reqs,
+                  sample_width=sample_width)
+    return tokens_np, ns_np, nr_np
+
+
 def check_sampled(
     sampled_token_ids: object,  # [num_reqs, w] int64, 1 <= w <= L
     num_sampled: object,  # [num_reqs] int32
@@ -187,13 +207,8 @@ def check_sampled(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate one step's sampler outputs (``step_width``: the step's own
     sample width, None = L); return their host arrays."""
-    # token ids are int64 end to end (vLLM asserts it): a narrower dtype is a
-    # caller's bug, and accepting it let a retried call send a step twice
-    tokens_np = _host("sampled_token_ids", sampled_token_ids, 2, (torch.int64,))
-    ns_np = _host("num_sampled", num_sampled, 1)
-    nr_np = _host("num_rejected", num_rejected, 1)
-    _check_shapes(tokens_np.shape, ns_np.shape, nr_np.shape, num_reqs=num_reqs,
-                  sample_width=sample_width)
+    tokens_np, ns_np, nr_np = sampled_arrays(sampled_token_ids, num_sampled, num_rejected,
+                                             num_reqs=num_reqs, sample_width=sample_width)
     err = value_error(ns_np, nr_np, w=tokens_np.shape[1], num_drafts=num_drafts,
                       step_width=step_width)
     if err is not None:

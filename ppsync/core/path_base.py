@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.batch.facts import BatchFacts, batch_facts
+from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
 from ppsync.core.frame.codec import DEVICE_ONLY_BACKENDS, StepCodec, codec_for
 from ppsync.core.frame.layout import FrameView
@@ -295,14 +295,14 @@ class PathBase:
     # -- what the roles' calls share --------------------------------------
 
     def _batch_facts(self, view: BatchView) -> BatchFacts:
-        """The batch's checked facts and need mask, as copies."""
-        return batch_facts(view, self.config.max_num_reqs)
+        """The batch's checked facts, need mask and digest, as copies."""
+        return self.codec.kernels.facts(view)
 
     def _frame_view(self, facts: BatchFacts, sample_width: int | None) -> FrameView:
         """This rank's view of the frame it issues next."""
         row_facts = facts.row_facts
         return FrameView(self.seq, facts.need.shape[0],
-                         self.codec.frames.facts_digest(row_facts), facts.slot_need,
+                         facts.digest, facts.slot_need,
                          facts.computed, sample_width, row_facts)
 
     def _issued(self, work: dist.Work) -> None:

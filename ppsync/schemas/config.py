@@ -24,6 +24,7 @@ from ppsync.schemas._validate import validate_as
 
 WireMode = Literal["fixed", "exact"]
 CodecName = Literal["host", "device"]
+HostKernelsName = Literal["auto", "numba", "numpy"]
 
 
 class SyncConfig(BaseModel):
@@ -51,6 +52,11 @@ class SyncConfig(BaseModel):
     default); 'device': with torch ops where the tensors live, checks
     deferred by one step (what a GPU needs: no host sync per step). Every
     rank must use the same codec (the handshake compares it)."""
+    host_kernels: HostKernelsName = "auto"
+    """The host path's per-step kernels: 'numba' (one compiled call per role
+    and step; the extra ppsync[jit]), 'numpy' (the reference), or 'auto'
+    (numba where it can be loaded, else numpy). Both give the same frames,
+    releases and errors; a rank-local setting: ranks need not agree."""
     flight_events: int = Field(default=4096, ge=0, le=1 << 18)
     """Events the flight recorder keeps (the newest; 0 = recorder off). A
     rank-local setting: ranks need not agree on it."""

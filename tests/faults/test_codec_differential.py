@@ -42,7 +42,8 @@ from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 
 VARIANTS: list[dict[str, str]] = [
-    {"codec": "host"},  # the reference
+    {"codec": "host", "host_kernels": "numpy"},  # the reference
+    {"codec": "host", "host_kernels": "numba"},
     {"codec": "device"},
 ]
 """SyncConfig fields of each codec variant; the first is the reference."""
@@ -262,12 +263,13 @@ def test_every_codec_releases_what_the_reference_releases(k: int,
 
 # -- the vLLM adapter, both interfaces ----------------------------------------------------
 
-def _adapter_rank(codec: str, interface: str, seed: int, env: RankEnv) -> list[Record]:
+def _adapter_rank(variant: dict[str, str], interface: str, seed: int,
+                  env: RankEnv) -> list[Record]:
     k = 2
     steps, out = _schedule(k, seed), list[Record]()
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64)
     with PPHandler(MAX_NUM_REQS, k, torch.device("cpu"), timeout_s=TIMEOUT_S,
-                   interface=interface, codec=codec, board=None) as h:  # type: ignore[arg-type]
+                   interface=interface, board=None, **variant) as h:  # type: ignore[arg-type]
         for t in range(STEPS + 2):
             step = steps[t] if t < STEPS else None
             got = (h.get_prev_sampled_outputs(table) if interface == "0.32"
@@ -325,9 +327,9 @@ class _Batch:
 @pytest.mark.parametrize("variant", VARIANTS[1:], ids=lambda v: ",".join(v.values()))
 def test_the_vllm_adapter_gives_the_same_outputs_with_every_codec(
         interface: str, variant: dict[str, str]) -> None:
-    ref = spawn_ranks(functools.partial(_adapter_rank, VARIANTS[0]["codec"], interface, 5), 2,
+    ref = spawn_ranks(functools.partial(_adapter_rank, VARIANTS[0], interface, 5), 2,
                       timeout_s=120)
-    got = spawn_ranks(functools.partial(_adapter_rank, variant["codec"], interface, 5), 2,
+    got = spawn_ranks(functools.partial(_adapter_rank, variant, interface, 5), 2,
                       timeout_s=120)
     assert len(ref[0]) > STEPS // 2
     assert got[0] == ref[0]

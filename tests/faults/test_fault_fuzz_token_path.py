@@ -80,10 +80,15 @@ from ppsync.schemas.config import SyncConfig
 
 EXAMPLES = 240  # bad calls, one per round
 AFTER_CLOSE_EXAMPLES = 60  # calls after close(), per rank
-CONFIG = SyncConfig.build(
-    pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=K, ring_depth=1,
-    timeout_s=TIMEOUT_S, wire="fixed",
-)
+KERNELS = ("numpy", "numba")
+"""The host kernel sets (SyncConfig.host_kernels): each runs the whole fuzz."""
+
+
+def _config(kernels: str) -> SyncConfig:
+    return SyncConfig.build(
+        pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=K, ring_depth=1,
+        timeout_s=TIMEOUT_S, wire="fixed", host_kernels=kernels,
+    )
 
 # -- valid values ---------------------------------------------------------------
 
@@ -307,12 +312,13 @@ def _after_close_calls(rank: int) -> st.SearchStrategy[BadCall]:
     return uniform([valid, bad_calls().map(as_closed)])
 
 
-def _fuzz_rank(env: RankEnv) -> RankRun:
+def _fuzz_rank(kernels: str, env: RankEnv) -> RankRun:
     watchdog(TIMEOUT_S + 30)
     schedule = collect(bad_calls(), EXAMPLES)
     agree(env, "rounds", schedule)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-    path = TokenPath(CONFIG, group, board=env.failure_board(group))
+    path = TokenPath(_config(kernels), group, board=env.failure_board(group))
+    assert path.codec.kernels.name == kernels
     attempts: list[Attempt] = []
     wrong: list[str] = []
     sent: list[int] = []
@@ -346,9 +352,19 @@ def _fuzz_rank(env: RankEnv) -> RankRun:
     return RankRun(len(schedule), attempts, releases, wrong, sent, probes, after_close)
 
 
-@pytest.fixture(scope="module")
-def world() -> list[RankRun]:
-    return spawn_ranks(_fuzz_rank, 2, timeout_s=TIMEOUT_S + 20)
+_WORLDS: dict[str, list[RankRun]] = {}
+
+
+def _world(kernels: str) -> list[RankRun]:
+    if kernels not in _WORLDS:
+        _WORLDS[kernels] = spawn_ranks(functools.partial(_fuzz_rank, kernels), 2,
+                                       timeout_s=TIMEOUT_S + 20)
+    return _WORLDS[kernels]
+
+
+@pytest.fixture(scope="module", params=KERNELS)
+def world(request: pytest.FixtureRequest) -> list[RankRun]:
+    return _world(request.param)
 
 
 # -- the checks ---------------------------------------------------------------------------
@@ -394,3 +410,14 @@ def test_every_entry_after_close_is_a_protocol_error(world: list[RankRun]) -> No
                                                       "prepare", "send"}
         assert report(run.after_close) == []
         assert all(a.message.endswith("token path used after close()") for a in run.after_close)
+
+
+def test_every_kernel_set_raises_the_same_errors() -> None:
+    """The same schedule through each host kernel set: the same error type
+    and message for every bad call, on every rank."""
+    ref = _world(KERNELS[0])
+    for kernels in KERNELS[1:]:
+        got = _world(kernels)
+        for r, (a, b) in enumerate(zip(ref, got, strict=True)):
+            assert [(x.call, x.error, x.message) for x in a.attempts + a.probes] == [
+                (x.call, x.error, x.message) for x in b.attempts + b.probes], (kernels, r)

@@ -327,13 +327,14 @@ def _closed_call(h: PPHandler, call: BadCall) -> None:
         h.broadcast_drafts(_draft_table(BASE_R), BASE)
 
 
-def _handler_rank(env: RankEnv) -> RankRun:
+def _handler_rank(kernels: str, env: RankEnv) -> RankRun:
     watchdog(TIMEOUT_S + 30)
     ctor = [attempt(c, functools.partial(_construct, c))
             for c in collect(CTOR_CALLS, CTOR_EXAMPLES)]
     schedule = collect(bad_calls(), EXAMPLES)
     agree(env, "vllm", schedule)
-    h = PPHandler(MAX_NUM_REQS, K, CPU, ring_depth=1, timeout_s=TIMEOUT_S)
+    h = PPHandler(MAX_NUM_REQS, K, CPU, ring_depth=1, timeout_s=TIMEOUT_S,
+                  host_kernels=kernels)  # type: ignore[arg-type]
     assert h.is_last_rank == (env.rank == LAST)
     attempts: list[Attempt] = []
     wrong: list[str] = []
@@ -369,9 +370,21 @@ def _handler_rank(env: RankEnv) -> RankRun:
     return RankRun(ctor, attempts, releases, wrong, after_close)
 
 
-@pytest.fixture(scope="module")
-def world() -> list[RankRun]:
-    return spawn_ranks(_handler_rank, 2, timeout_s=TIMEOUT_S + 20)
+KERNELS = ("numpy", "numba")
+"""The host kernel sets (SyncConfig.host_kernels): each runs the whole fuzz."""
+_WORLDS: dict[str, list[RankRun]] = {}
+
+
+def _world(kernels: str) -> list[RankRun]:
+    if kernels not in _WORLDS:
+        _WORLDS[kernels] = spawn_ranks(functools.partial(_handler_rank, kernels), 2,
+                                       timeout_s=TIMEOUT_S + 20)
+    return _WORLDS[kernels]
+
+
+@pytest.fixture(scope="module", params=KERNELS)
+def world(request: pytest.FixtureRequest) -> list[RankRun]:
+    return _world(request.param)
 
 
 # -- the checks ---------------------------------------------------------------------------
@@ -418,3 +431,13 @@ def test_every_method_after_close_is_a_protocol_error(world: list[RankRun]) -> N
         # hypothesis stops once it has tried every method (a small space)
         assert {a.entry for a in run.after_close} == set(CLOSED_METHODS)
         assert report(run.after_close) == []
+
+
+def test_every_kernel_set_raises_the_same_errors() -> None:
+    """The same schedule through each host kernel set: the same error type
+    and message for every bad call, on every rank."""
+    ref = _world(KERNELS[0])
+    for kernels in KERNELS[1:]:
+        for r, (a, b) in enumerate(zip(ref, _world(kernels), strict=True)):
+            assert [(x.call, x.error, x.message) for x in a.attempts] == [
+                (x.call, x.error, x.message) for x in b.attempts], (kernels, r)

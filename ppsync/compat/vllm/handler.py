@@ -91,7 +91,8 @@ class PPHandler:
     ppsync.compat.vllm.versions; None: the installed vLLM's), which picks
     the subclass this call builds; ``board``: where ranks post failures
     ("group", the default: in the token group's own store; None: no board);
-    ``codec``: None picks the device codec for a non-CPU device. Bad values
+    ``codec``: None picks the device codec for a non-CPU device;
+    ``host_kernels``: the host path's kernels (SyncConfig.host_kernels). Bad values
     raise :class:`ConfigError` before any collective.
     """
 
@@ -117,6 +118,7 @@ class PPHandler:
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
+        host_kernels: Literal["auto", "numba", "numpy"] = "auto",
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
             raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "
@@ -142,6 +144,7 @@ class PPHandler:
             ring_depth=ring_depth,
             timeout_s=timeout_s,
             codec=codec,
+            host_kernels=host_kernels,
         )
         self.config = config
         # the device codec's frames live on the engine's device: its backend

@@ -34,6 +34,10 @@ class BatchFacts:
     block: np.ndarray
     need: np.ndarray  # [num_reqs] bool: rows that produce a sample (rule 1)
     needed: int  # need.sum()
+    digest: int = 0
+    """The row facts' digest (the frame's idx_digest; see
+    FrameCodec.facts_digest), where a step has a frame: set by the host
+    kernels (ppsync.core.host_kernels)."""
 
     @property
     def idx(self) -> np.ndarray:

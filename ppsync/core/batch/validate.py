@@ -76,7 +76,7 @@ def _check_array(name: str, a: object, n: int, *, boolean: bool = False) -> None
         raise BatchError(f"{name}.dtype = {a.dtype} must be an integer dtype")
 
 
-def _plain_shapes_ok(view: object, max_num_reqs: int) -> bool:
+def plain_shapes_ok(view: object, max_num_reqs: int) -> bool:
     """The usual view in one pass of exact type tests: a BatchView with an
     int num_reqs in range, its four arrays numpy integer arrays of shape
     (num_reqs,), no optional arrays. False: let the rules below decide."""
@@ -96,7 +96,7 @@ def _plain_shapes_ok(view: object, max_num_reqs: int) -> bool:
 
 def check_view_shapes(view: BatchView, max_num_reqs: int) -> None:
     """validate_batch's type, dtype and shape rules alone (no value read)."""
-    if _plain_shapes_ok(view, max_num_reqs):
+    if plain_shapes_ok(view, max_num_reqs):
         return
     if not isinstance(view, BatchView):
         raise BatchError(f"view must be a BatchView, got {type(view).__name__}")

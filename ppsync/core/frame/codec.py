@@ -24,6 +24,7 @@ from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.frame.layout import BufferPool, FrameView
+from ppsync.core.host_kernels import NumpyKernels
 from ppsync.core.platform import Platform
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep, PreparedStep
@@ -57,6 +58,9 @@ class StepCodec(Protocol):
     """The host frames: layout, digests, and the checks' error path."""
     buffers: BufferPool
     """Where this codec's frame buffers come from."""
+    kernels: NumpyKernels
+    """The host kernels (config.host_kernels): a step's batch facts, and
+    the host codec's checks, packing and release."""
 
     def settle(self, all_: bool = False) -> None:
         """Read the verdicts of steps whose event completed (every one with

@@ -48,6 +48,7 @@ from ppsync.core.frame.device_frames import (
 )
 from ppsync.core.frame.host_frames import FrameCodec, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView, Header
+from ppsync.core.host_kernels import host_kernels_for
 from ppsync.core.platform import Platform, StepEvent
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep, PreparedStep
@@ -83,6 +84,7 @@ class DeviceCodec:
         self.device = platform.device
         self.codec = DeviceFrameCodec(config, platform.device)
         self.frames: FrameCodec = self.codec.layout
+        self.kernels = host_kernels_for(config, self.frames)  # the batch facts, on the host
         self.buffers = self.codec.buffers
         self.side = platform.new_stream()
         self.stream_ordered = backend in ("nccl", "xccl")
