@@ -6,7 +6,7 @@ One process holds both ranks of a real two-rank gloo group (two gloo
 backends over one in-process store, made side by side in two threads) and a
 real :class:`TokenPath` on each: the last rank's and a receiver's. One
 thread runs the engine's steps in a tight loop, publish then consume + post,
-for each codec (host, and device on CPU tensors), alternating which goes
+for each codec (host, with each host kernel set, and device on CPU tensors), alternating which goes
 first. Each call's thread CPU time, less the CPU the path spent issuing its
 collective and in waits (``TokenPath.clock``), is the path's own work:
 checks, mask, digest, codec, recorder. Prints the median µs per step.
@@ -40,12 +40,12 @@ from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.bench.stats import pct_us
+from ppsync.core.host_kernels import numba_error
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
 from ppsync.schemas.bench import BenchOptions
-from ppsync.schemas.config import CodecName, SyncConfig
+from ppsync.schemas.config import HostKernelsName, SyncConfig
 
-CODECS: tuple[CodecName, ...] = ("host", "device")
 T = TypeVar("T")
 
 
@@ -190,17 +190,21 @@ def _pairs(configs: dict[str, SyncConfig]) -> Iterator[dict[str, tuple[
         yield opened
 
 
-def phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:
+def phases(rows: int, spec: int, iters: int, kernels: HostKernelsName = "numpy"
+           ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`hot_phases` in a fresh process."""
-    return in_fresh_process(hot_phases, rows, spec, iters)
+    return in_fresh_process(hot_phases, rows, spec, iters, kernels)
 
 
-def hot_phases(rows: int, spec: int, iters: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(last rank, receiver) per-phase median µs of the host codec's path,
-    hot, with a PhaseTimer on each path (see ppsync.bench.phases), over
-    each path's quietest block of steps (see :func:`quiet_median`)."""
+def hot_phases(rows: int, spec: int, iters: int, kernels: HostKernelsName = "numpy"
+               ) -> tuple[dict[str, float], dict[str, float]]:
+    """(last rank, receiver) per-phase median µs of the host codec's path
+    with the host kernels ``kernels``, hot, with a PhaseTimer on each path
+    (see ppsync.bench.phases), over each path's quietest block of steps
+    (see :func:`quiet_median`). The numpy reference splits digest, pack and
+    frame check apart; numba's kernels do each role's work in one call."""
     config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
-                              timeout_s=30.0, codec="host")
+                              timeout_s=30.0, codec="host", host_kernels=kernels)
     out = []
     with path_pair(config) as (last, receiver):
         calls = _step_calls(last, receiver, fixed_step(rows, spec))
@@ -230,6 +234,16 @@ def _quietest_block(ns: list[int], block: int = QUIET_BLOCK) -> int:
     return min(starts, key=lambda i: float(np.median(ns[i:i + block])))
 
 
+def variants() -> dict[str, dict[str, str]]:
+    """The codec and host kernel choices compared here: both codecs, and the
+    host codec with each kernel set this machine can load."""
+    out = {"host / numpy": {"codec": "host", "host_kernels": "numpy"}}
+    if numba_error() is None:
+        out["host / numba"] = {"codec": "host", "host_kernels": "numba"}
+    out["device"] = {"codec": "device"}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ppsync.bench.codec_cpu",
                                  description=__doc__.split("\n\n")[0])
@@ -238,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--phases", action="store_true",
                     help="host codec only, per-phase split of the own CPU")
+    ap.add_argument("--kernels", choices=("numpy", "numba"), default="numpy",
+                    help="the host kernels of --phases (default: the numpy reference)")
     args = ap.parse_args(argv)
     if args.phases:
-        last, receiver = phases(args.rows, args.spec, args.iters)
-        print(f"host codec own CPU by phase, hot, median µs per step (rows={args.rows}, "
+        last, receiver = phases(args.rows, args.spec, args.iters, args.kernels)
+        print(f"host codec ({args.kernels} kernels) own CPU by phase, hot, median µs per "
+              f"step (rows={args.rows}, "
               f"K={args.spec}, {args.iters} steps, one process; each timed call adds "
               f"~{2 * clock_overhead_ns() / 1e3:.2f} µs of clock reads)")
         print(f"{'phase':<26} {'last rank':>10} {'receiver':>10}")
@@ -249,16 +266,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:<26} {last.get(k, 0.0):>10.1f} {receiver.get(k, 0.0):>10.1f}")
         return 0
     configs: dict[str, SyncConfig] = {
-        c: SyncConfig.build(pp_size=2, max_num_reqs=args.rows, num_speculative_steps=args.spec,
-                            timeout_s=30.0, codec=c)
-        for c in CODECS
+        name: SyncConfig.build(pp_size=2, max_num_reqs=args.rows,
+                               num_speculative_steps=args.spec, timeout_s=30.0, **fields)
+        for name, fields in variants().items()
     }
     last, receiver = path_cpu(configs, args.iters)
     print(f"own CPU per step, hot, median µs (rows={args.rows}, K={args.spec}, "
           f"{args.iters} steps, one process)")
-    print(f"{'codec':<8} {'last rank':>10} {'receiver':>10}")
-    for c in CODECS:
-        print(f"{c:<8} {last[c]:>10.1f} {receiver[c]:>10.1f}")
+    print(f"{'codec / host kernels':<22} {'last rank':>10} {'receiver':>10}")
+    for c in configs:
+        print(f"{c:<22} {last[c]:>10.1f} {receiver[c]:>10.1f}")
     return 0
 
 

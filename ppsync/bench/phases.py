@@ -37,6 +37,14 @@ _FRAMES_PHASES = {
     "pack": "pack",
     "check": "consume: frame check",
 }
+_KERNEL_PHASES = {
+    "facts": "checks: batch, mask, slot_need",
+    "sampled": "checks: sampler outputs",
+    "pack": "pack",
+    "release": "release copies",
+}
+"""The host kernels' calls (numba's do digest, pack and frame check inside
+these; the numpy reference's nested frame calls get their own phases)."""
 _BUFFER_PHASES = {"take": "buffer", "give": "buffer"}
 _PATH_PHASES = {"_batch_facts": "checks: batch, mask, slot_need", "_issue": "issue"}
 EXCLUDED = ("issue", "wait")
@@ -60,7 +68,8 @@ class PhaseTimer:
         self._child: list[int] = []  # per open call: ns spent in nested timed calls
         codec = path.codec
         targets: list[tuple[object, dict[str, str]]] = [
-            (codec, _CODEC_PHASES), (codec.frames, _FRAMES_PHASES), (path, _PATH_PHASES),
+            (codec, _CODEC_PHASES), (codec.kernels, _KERNEL_PHASES),
+            (codec.frames, _FRAMES_PHASES), (path, _PATH_PHASES),
             (path._waits, {"wait": "wait"}),
             (path.recorder, dict.fromkeys(("issue", "consume", "complete", "call"), "recorder")),
             (codec.buffers, _BUFFER_PHASES),

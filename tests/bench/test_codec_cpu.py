@@ -19,3 +19,20 @@ def test_phase_split_names_every_phase_of_the_real_path(
     for phase in ("checks: batch, mask, slot_need", "checks: sampler outputs", "digest",
                   "pack", "consume: frame check", "release copies", "recorder", "total"):
         assert phase in out, out
+
+
+@pytest.mark.timeout(120)
+def test_phase_split_of_numba_kernels_and_the_kernel_comparison(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("numba", reason="numba's kernels need the extra ppsync[jit]")
+    assert main(["--rows", "8", "--spec", "1", "--iters", "60", "--phases",
+                 "--kernels", "numba"]) == 0
+    out = capsys.readouterr().out
+    assert "numba kernels" in out, out
+    for phase in ("checks: batch, mask, slot_need", "pack", "release copies", "total"):
+        assert phase in out, out
+    assert main(["--rows", "8", "--spec", "1", "--iters", "30"]) == 0
+    out = capsys.readouterr().out
+    for row in ("host / numpy", "host / numba", "device"):
+        assert row in out, out
