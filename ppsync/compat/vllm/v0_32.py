@@ -1,6 +1,12 @@
-"""vLLM 0.30-0.32's ``PPHandler`` interface: the receiver scatters drafts into
+"""vLLM 0.31-0.32's ``PPHandler`` interface: the receiver scatters drafts into
 the engine's ``[max_num_reqs, K]`` table; ``broadcast_drafts`` takes that
-table and the step's ``input_batch``; every step is L = K + 1 wide."""
+table and the step's ``input_batch``; every step is L = K + 1 wide (vLLM
+pads the tokens with 0, ppsync with -1: vLLM reads the first num_sampled
+only). A final prefill chunk whose sampled token reaches ``max_seq_len``
+needs no sample (when ``max_seq_len_np`` is set); on XPU,
+``VLLM_XPU_PP_MICROBATCH=0`` makes the ring one step deep. 0.30
+(ppsync.compat.vllm.v0_30) has the same calls without the cap or the
+switch."""
 
 from __future__ import annotations
 
@@ -8,14 +14,14 @@ import torch
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_held_batch, other_interface
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
-from ppsync.core.batch import batch_view_of
 from ppsync.core.checks import check_draft_table, check_draft_table_meta
 
 
 class PPHandler032(PPHandler):
-    """vLLM 0.32's interface (see the module docstring)."""
+    """vLLM 0.31-0.32's interface (see the module docstring)."""
 
     interface = "0.32"
+    xpu_microbatch_switch = True
 
     def get_prev_sampled_outputs(
         self, draft_tokens_to_update: torch.Tensor | None = None  # [max_num_reqs, K]
@@ -32,7 +38,7 @@ class PPHandler032(PPHandler):
         if recv_drafts is not NOT_GIVEN:
             raise other_interface(self.interface, "0.33", "receive(input_batch, recv_drafts)",
                                   "receive() takes input_batch only")
-        return self._post(batch_view_of(input_batch), None, None)
+        return self._post(self._batch(input_batch), None, None)
 
     def broadcast(
         self,
@@ -43,7 +49,7 @@ class PPHandler032(PPHandler):
     ) -> None:
         """Check this step's sampler outputs (before any collective) and send
         them; with K > 0, hold them for :meth:`broadcast_drafts`."""
-        self._broadcast(batch_view_of(input_batch), sampled_token_ids, num_sampled,
+        self._broadcast(self._batch(input_batch), sampled_token_ids, num_sampled,
                         num_rejected, None)
 
     def broadcast_drafts(

@@ -1,7 +1,8 @@
 """vLLM 0.33-0.34's ``PPHandler`` interface: ``get_prev_sampled_outputs()``
 returns the drafts under a fifth key; ``receive(input_batch, recv_drafts)``;
 ``broadcast_drafts(draft_tokens)`` takes them gathered, ``[num_reqs, K]``;
-a step is L wide when ``input_batch.num_draft_tokens > 0``, else 1."""
+a step is L wide when ``input_batch.num_draft_tokens > 0``, else 1. Need
+rule and XPU switch as 0.32's (ppsync.compat.vllm.v0_32)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import torch
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_recv_drafts, other_interface, step_width
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
-from ppsync.core.batch import batch_view_of
 from ppsync.core.checks import check_step_drafts, check_width_fits
 from ppsync.errors import BatchError
 
 
 class PPHandler033(PPHandler):
-    """vLLM 0.33's interface (see the module docstring)."""
+    """vLLM 0.33-0.34's interface (see the module docstring)."""
 
     interface = "0.33"
+    xpu_microbatch_switch = True
 
     def get_prev_sampled_outputs(
         self, draft_tokens_to_update: torch.Tensor | None = None
@@ -47,7 +48,7 @@ class PPHandler033(PPHandler):
                                   "receive() takes (input_batch, recv_drafts)")
         expect = check_recv_drafts(recv_drafts, self.config.num_speculative_steps)
         width = step_width(input_batch, self.config.sample_width)
-        return self._post(batch_view_of(input_batch), expect, width)
+        return self._post(self._batch(input_batch), expect, width)
 
     def broadcast(
         self,
@@ -69,7 +70,7 @@ class PPHandler033(PPHandler):
                 e.add_note(f"interface 0.33: L = K + 1 = {self.config.sample_width} only when "
                            "input_batch.num_draft_tokens > 0, else 1")
                 raise
-        self._broadcast(batch_view_of(input_batch), sampled_token_ids, num_sampled,
+        self._broadcast(self._batch(input_batch), sampled_token_ids, num_sampled,
                         num_rejected, width)
 
     def broadcast_drafts(
