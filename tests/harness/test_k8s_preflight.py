@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -205,13 +206,14 @@ def test_two_pods_of_two_ranks_run_the_rendered_preflight_exactly(
         command, env = render_pod(role, lws, volume, overrides)
         logs = open(tmp_path / f"pod{index}.log", "wb")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen([*pods.exec_prefix(index), *command], env=env,
-                                       stdout=logs, stderr=subprocess.STDOUT), logs))
+                                       stdout=logs, stderr=subprocess.STDOUT,
+                                       start_new_session=True), logs))
     try:
         codes = [p.wait(timeout=240) for p, _ in procs]
     finally:
         for p, logs in procs:
-            if p.poll() is None:
-                p.kill()
+            if p.poll() is None:  # the pod's shell, torchrun and its ranks
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
             logs.close()
     texts = [(tmp_path / f"pod{i}.log").read_text(errors="replace") for i in range(2)]
@@ -234,8 +236,8 @@ def test_two_pods_of_two_ranks_run_the_rendered_preflight_exactly(
     # the report and every rank's dump, from both pods, on the volume
     report = RunReport.model_validate_json((volume / "group-0" / "report.json").read_text())
     assert report.ok and report.world_size == 4 and len(report.ranks) == 4
-    for r in report.ranks:
-        if r.role == "receiver":
-            assert r.rows_delivered == r.rows_expected > 0, r
+    for rank in report.ranks:
+        if rank.role == "receiver":
+            assert rank.rows_delivered == rank.rows_expected > 0, rank
     dumps = sorted(p.name for p in (volume / "group-0" / "dumps").iterdir())
     assert dumps == [f"ppsync-rank{r}.jsonl" for r in range(4)], dumps
