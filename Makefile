@@ -58,7 +58,7 @@ WHEELHOUSE_FLAGS ?=
 wheelhouse: $(STAMP)
 	mkdir -p $(WHEELS)
 	rm -f $(WHEELS)/ppsync-*.whl
-	$(PY) -m pip wheel -q $(WHEELHOUSE_FLAGS) --wheel-dir $(WHEELS) . '$(IMAGE_TORCH)'
+	$(PY) -m pip wheel -q $(WHEELHOUSE_FLAGS) --wheel-dir $(WHEELS) '.[jit]' '$(IMAGE_TORCH)'
 
 # Runs docker-compose.yml for real with podman (installed by the script, as
 # root): a clean 3-rank run, then one with a container killed mid-run.
