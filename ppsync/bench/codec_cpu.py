@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
+from ppsync.bench.seeds import SeedsHostOps
 from ppsync.bench.stats import pct_us
 from ppsync.core.host_kernels import numba_error
 from ppsync.core.token_path import TokenPath
@@ -151,19 +152,25 @@ def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300
         return pool.submit(fn, *args).result(timeout=timeout_s)
 
 
-def path_cpu(configs: dict[str, SyncConfig], iters: int
+def path_cpu(configs: dict[str, SyncConfig], iters: int, *, seeds: bool = False
              ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`hot_path_cpu` in a fresh process."""
-    return in_fresh_process(hot_path_cpu, configs, iters)
+    return in_fresh_process(hot_path_cpu, configs, iters, seeds)
 
 
-def hot_path_cpu(configs: dict[str, SyncConfig], iters: int
+def hot_path_cpu(configs: dict[str, SyncConfig], iters: int, seeds: bool = False
                  ) -> tuple[dict[str, float], dict[str, float]]:
     """(last rank, receiver) own CPU µs per step of real token paths, one
     pair per entry of ``configs`` (pp_size 2), hot: a tight loop in one
     process; each figure is :func:`quiet_median` of the steps after a
-    warm-up tenth. What ``ppsync bench`` reports as the hot own-CPU figure."""
+    warm-up tenth. What ``ppsync bench`` reports as the hot own-CPU figure.
+    With ``seeds``, the seeds' scheme's host calls (ppsync.bench.seeds, for
+    the first config's rows and K) are timed in the same loop, as "seeds"."""
     own: dict[str, tuple[list[int], list[int]]] = {c: ([], []) for c in configs}
+    first = next(iter(configs.values()))
+    ops = SeedsHostOps(fixed_step(first.max_num_reqs, first.num_speculative_steps))
+    if seeds:
+        own["seeds"] = ([], [])
     with _pairs(configs) as pairs:
         names = list(configs)
         for i in range(iters):
@@ -171,6 +178,13 @@ def hot_path_cpu(configs: dict[str, SyncConfig], iters: int
                 last, receiver, publish, take_post = pairs[name]
                 own[name][0].append(_timed(last, publish))
                 own[name][1].append(_timed(receiver, take_post))
+            if seeds:
+                t0 = cpu_now()
+                ops.last_before()
+                t1 = cpu_now()
+                ops.receiver_after(ops.receiver_before())
+                own["seeds"][0].append(t1 - t0)
+                own["seeds"][1].append(cpu_now() - t1)
     warm = iters // 10
     med = {c: (quiet_median(a[warm:]), quiet_median(b[warm:])) for c, (a, b) in own.items()}
     return {c: m[0] for c, m in med.items()}, {c: m[1] for c, m in med.items()}
@@ -270,12 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                                num_speculative_steps=args.spec, timeout_s=30.0, **fields)
         for name, fields in variants().items()
     }
-    last, receiver = path_cpu(configs, args.iters)
+    last, receiver = path_cpu(configs, args.iters, seeds=True)
     print(f"own CPU per step, hot, median µs (rows={args.rows}, K={args.spec}, "
           f"{args.iters} steps, one process)")
     print(f"{'codec / host kernels':<22} {'last rank':>10} {'receiver':>10}")
-    for c in configs:
+    for c in [*configs, "seeds"]:
         print(f"{c:<22} {last[c]:>10.1f} {receiver[c]:>10.1f}")
+    print("seeds: the seeds' scheme's host calls around its broadcasts (ppsync.bench.seeds)")
     return 0
 
 

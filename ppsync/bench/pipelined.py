@@ -9,7 +9,9 @@
   posted D steps ago, then post() this step's receive, then compute; the last
   rank computes, then publish()es;
 - ``ppsync_async``: the same through ``open_rank`` under anyio on asyncio,
-  with a heartbeat task measuring the loop's lag.
+  with a heartbeat task measuring the loop's lag;
+- ``idle`` (not a scheme: a baseline): the same async loop with no token
+  path, its heartbeat's lag the loop's own (this machine's scheduler stalls).
 
 With ``hidden``, each step also sends [rows, hidden] float32 to the next stage
 and receives from the previous one on the world group (issued after the
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch.distributed as dist
 
@@ -39,6 +42,7 @@ from ppsync.bench.common import (
     spin_ns,
     world_barrier,
 )
+from ppsync.bench.seeds import SeedsHostOps
 from ppsync.bench.stats import overdue_within
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
@@ -47,6 +51,9 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
 
 SCHEMES = ("seeds", "ppsync_sync", "ppsync_async")
+IDLE = "idle"
+"""The async loop without a token path, run once per round on the first
+group: its raw heartbeat lag is the baseline ppsync_async's is compared with."""
 MAX_ROUNDS = 4
 MIN_CHUNK = 50
 
@@ -61,7 +68,7 @@ class Series:
     counted: int = 0  # receiver steps with a transfer at the head
     lag_ns: list[np.ndarray] = field(default_factory=list)  # lateness in token calls
     lag_raw_ns: list[np.ndarray] = field(default_factory=list)  # raw heartbeat lateness
-    cpu_ns: list[np.ndarray] = field(default_factory=list)  # ppsync_sync: own CPU per step
+    cpu_ns: list[np.ndarray] = field(default_factory=list)  # seeds, ppsync_sync: own CPU per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,20 +147,45 @@ class _Chunk:
 
 
 def _seeds(c: _Chunk) -> None:
+    """The seeds' scheme with its host calls (ppsync.bench.seeds); its own
+    CPU per step is those calls' CPU, the broadcasts' excluded."""
     ctx = c.ctx
-    bufs = SeedsBuffers.of(ctx.step, is_last=ctx.is_last)
+    ops = SeedsHostOps(ctx.step)
     timeout_s = c.config.timeout_s
     for t in range(c.total):
         c.marks[t] = t0 = now()
         if not ctx.is_last:
-            bufs.blocking(ctx.src, c.group, timeout_s=timeout_s)
+            u0 = cpu_now()
+            bufs = ops.receiver_before()
+            b0 = cpu_now()
+            SeedsBuffers(bufs).blocking(ctx.src, c.group, timeout_s=timeout_s)
+            b1 = cpu_now()
+            ops.receiver_after(bufs)
             c.blocked[t] = now() - t0
+            c.cpu[t] = cpu_now() - u0 - (b1 - b0)
         c.compute()
         if ctx.is_last:
-            t1 = now()
-            bufs.blocking(ctx.src, c.group, timeout_s=timeout_s)
+            t1, u0 = now(), cpu_now()
+            bufs = ops.last_before()
+            b0 = cpu_now()
+            SeedsBuffers(bufs).blocking(ctx.src, c.group, timeout_s=timeout_s)
             c.blocked[t] = now() - t1
+            c.cpu[t] = b0 - u0
     c.finish()
+
+
+async def _idle(c: _Chunk, beat: Heartbeat) -> None:
+    """The async engine loop with no token path (each token call an await
+    that returns at once): the baseline of the heartbeat's lag."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(beat.run)
+        for t in range(c.total):
+            c.marks[t] = now()
+            await anyio.lowlevel.checkpoint()
+            c.compute()
+            await anyio.lowlevel.checkpoint()
+        c.finish()
+        tg.cancel_scope.cancel()
 
 
 def _ppsync_sync(c: _Chunk) -> None:
@@ -215,7 +247,7 @@ def _run_chunk(scheme: str, c: _Chunk, into: Series) -> None:
         beat = Heartbeat()
 
         async def main(_: RankCtx) -> None:
-            await _ppsync_async(c, beat)
+            await (_idle(c, beat) if scheme == IDLE else _ppsync_async(c, beat))
 
         run_async(main, c.ctx)
         since = int(c.marks[c.warm])
@@ -233,6 +265,7 @@ def pipelined_rank(ctx: RankCtx) -> PipelinedRankResult:
     n_rounds, n = rounds(o.pipelined_iters)
     warm = max(2 * config.depth, o.warmup // n_rounds)
     runs = [(scheme, name, group) for name, group in ctx.groups for scheme in SCHEMES]
+    runs.append((IDLE, *ctx.groups[0]))
     out = {f"{scheme}@{name}": Series() for scheme, name, _ in runs}
     clock = TransportClock()
     for r in range(n_rounds):

@@ -147,6 +147,16 @@ class CpuStats(BaseModel):
     receiver_micro_p50_us: float
     """The same hot loop, the receiver: consume() + post() CPU time minus
     the issue and waits."""
+    seeds_last_pipelined_p50_us: float = 0.0
+    """The seeds' scheme in the same pipelined loop, last rank: its host
+    calls (ppsync.bench.seeds) CPU time, its broadcasts excluded."""
+    seeds_receiver_pipelined_p50_us: float = 0.0
+    """The same, a receiver."""
+    seeds_last_micro_p50_us: float = 0.0
+    """The seeds' scheme's last-rank host calls in the hot loop, timed
+    between ppsync's steps (the same quietest-block median)."""
+    seeds_receiver_micro_p50_us: float = 0.0
+    """The same, a receiver's host calls."""
     recorder_last_us: float = 0.0
     """Single process: the flight recorder's calls per last-rank step
     (issue + complete), recorder on (SyncConfig's default flight_events)."""
@@ -185,6 +195,10 @@ class BenchReport(BaseModel):
     lockstep_lag_p99_us: float
     """Variant d: p99 of event-loop lag while d's calls ran (lag that fell
     inside the benchmark's own blocking variants is not counted)."""
+    idle_lag_p99_us: float = 0.0
+    """p99 of the raw heartbeat lag of the async loop with no token path
+    (the pipelined run's ``idle`` baseline, same compute, same run): what
+    ppsync_async's raw lag p99 is compared with."""
     pipelined: list[PipelinedStats]
     cpu: CpuStats
     ratios: dict[str, float]

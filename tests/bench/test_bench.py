@@ -50,8 +50,11 @@ def _check_report(report: BenchReport, groups: list[str]) -> None:
     assert all(v > 0 for v in report.cpu.model_dump().values()), report.cpu
     assert report.frame_words == 8 + o.rows * (2 * o.spec + 5)  # header + [rows, L + 4 + K]
     assert report.slot_us >= 500
-    assert {t.name for t in report.targets} >= {"lockstep c/b", "lockstep c/a", "lockstep d/a",
-                                                "pipelined sync/seeds step"}
+    assert {t.name for t in report.targets} >= {
+        "lockstep c/b", "lockstep c/a", "lockstep d/a", "pipelined sync/seeds step",
+        "own CPU last rank / seeds' (hot)", "own CPU receiver / seeds' (hot)",
+        "own CPU receiver us (pipelined)", "loop lag p99 added over idle us"}
+    assert report.idle_lag_p99_us > 0
     assert all(t.met == (t.value <= t.limit) for t in report.targets)
 
 
@@ -63,7 +66,8 @@ def test_cli_bench_prints_tables_and_writes_json(
     text = capsys.readouterr().out
     for head in ("lockstep: P=2 rows=8 K=0", "pipelined: P=2 rows=8 K=0", "span_p50",
                  "recv_p50", "step_p50", "blk_p50", "done@cons", "lag_p99", "own CPU per step",
-                 "loop lag p99", "flight recorder per step", "targets"):
+                 "loop lag p99", "the async loop with no token path", "the seeds' host calls",
+                 "flight recorder per step", "targets"):
         assert head in text, head
     for name in LOCK_VARIANTS + SCHEMES:
         assert re.search(rf"^{name}\s+dedicated\s+\d", text, re.M), name
