@@ -53,8 +53,9 @@ class SyncConfig(BaseModel):
     deferred by one step (what a GPU needs: no host sync per step). Every
     rank must use the same codec (the handshake compares it)."""
     host_kernels: HostKernelsName = "auto"
-    """The host path's per-step kernels: 'numba' (one compiled call per role
-    and step; the extra ppsync[jit]), 'numpy' (the reference), or 'auto'
+    """The host path's per-step kernels: 'numba' (compiled calls: the view's
+    facts, the sampler values, the pack; the frame's check and release;
+    the extra ppsync[jit]), 'numpy' (the reference), or 'auto'
     (numba where it can be loaded, else numpy). Both give the same frames,
     releases and errors; a rank-local setting: ranks need not agree."""
     flight_events: int = Field(default=4096, ge=0, le=1 << 18)
