@@ -7,7 +7,8 @@ collectives that align ranks. Every wait is bounded by ``timeout_s``.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -191,6 +192,22 @@ class Heartbeat:
         woke = np.asarray(self.woke_ns, dtype=np.int64)
         keep = due >= since_ns
         return due[keep], woke[keep]
+
+
+@contextmanager
+def idle_loop() -> Iterator[Heartbeat]:
+    """A :class:`Heartbeat` on an event loop that runs nothing else, in a
+    thread of this process (meant for a process that only waits, as the
+    bench's parent does while its ranks run): the lateness this machine's
+    scheduler alone gives a loop sleeping like the bench's, at the same time.
+    Read the heartbeat's samples after the block."""
+    beat = Heartbeat()
+    with anyio.from_thread.start_blocking_portal() as portal:
+        task = portal.start_task_soon(beat.run)
+        try:
+            yield beat
+        finally:
+            task.cancel()
 
 
 # -- ppsync's own CPU: the collective's issue and waits, timed apart ------------

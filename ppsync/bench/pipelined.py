@@ -9,9 +9,7 @@
   posted D steps ago, then post() this step's receive, then compute; the last
   rank computes, then publish()es;
 - ``ppsync_async``: the same through ``open_rank`` under anyio on asyncio,
-  with a heartbeat task measuring the loop's lag;
-- ``idle`` (not a scheme: a baseline): the same async loop with no token
-  path, its heartbeat's lag the loop's own (this machine's scheduler stalls).
+  with a heartbeat task measuring the loop's lag.
 
 With ``hidden``, each step also sends [rows, hidden] float32 to the next stage
 and receives from the previous one on the world group (issued after the
@@ -28,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import anyio
-import anyio.lowlevel
 import numpy as np
 import torch.distributed as dist
 
@@ -51,9 +48,6 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
 
 SCHEMES = ("seeds", "ppsync_sync", "ppsync_async")
-IDLE = "idle"
-"""The async loop without a token path, run once per round on the first
-group: its raw heartbeat lag is the baseline ppsync_async's is compared with."""
 MAX_ROUNDS = 4
 MIN_CHUNK = 50
 
@@ -68,6 +62,7 @@ class Series:
     counted: int = 0  # receiver steps with a transfer at the head
     lag_ns: list[np.ndarray] = field(default_factory=list)  # lateness in token calls
     lag_raw_ns: list[np.ndarray] = field(default_factory=list)  # raw heartbeat lateness
+    spans: list[tuple[int, int]] = field(default_factory=list)  # measured steps, per chunk
     cpu_ns: list[np.ndarray] = field(default_factory=list)  # seeds, ppsync_sync: own CPU per step
 
 
@@ -142,6 +137,7 @@ class _Chunk:
         into.step_ns.append(np.diff(self.marks)[self.warm :])
         into.blocked_ns.append(self.blocked[self.warm :])
         into.cpu_ns.append(self.cpu[self.warm :])
+        into.spans.append((int(self.marks[self.warm]), int(self.marks[self.total])))
         into.complete += self.complete
         into.counted += self.counted
 
@@ -172,20 +168,6 @@ def _seeds(c: _Chunk) -> None:
             c.blocked[t] = now() - t1
             c.cpu[t] = b0 - u0
     c.finish()
-
-
-async def _idle(c: _Chunk, beat: Heartbeat) -> None:
-    """The async engine loop with no token path (each token call an await
-    that returns at once): the baseline of the heartbeat's lag."""
-    async with anyio.create_task_group() as tg:
-        await tg.start(beat.run)
-        for t in range(c.total):
-            c.marks[t] = now()
-            await anyio.lowlevel.checkpoint()
-            c.compute()
-            await anyio.lowlevel.checkpoint()
-        c.finish()
-        tg.cancel_scope.cancel()
 
 
 def _ppsync_sync(c: _Chunk) -> None:
@@ -247,7 +229,7 @@ def _run_chunk(scheme: str, c: _Chunk, into: Series) -> None:
         beat = Heartbeat()
 
         async def main(_: RankCtx) -> None:
-            await (_idle(c, beat) if scheme == IDLE else _ppsync_async(c, beat))
+            await _ppsync_async(c, beat)
 
         run_async(main, c.ctx)
         since = int(c.marks[c.warm])
@@ -265,7 +247,6 @@ def pipelined_rank(ctx: RankCtx) -> PipelinedRankResult:
     n_rounds, n = rounds(o.pipelined_iters)
     warm = max(2 * config.depth, o.warmup // n_rounds)
     runs = [(scheme, name, group) for name, group in ctx.groups for scheme in SCHEMES]
-    runs.append((IDLE, *ctx.groups[0]))
     out = {f"{scheme}@{name}": Series() for scheme, name, _ in runs}
     clock = TransportClock()
     for r in range(n_rounds):

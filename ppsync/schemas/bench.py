@@ -196,9 +196,11 @@ class BenchReport(BaseModel):
     """Variant d: p99 of event-loop lag while d's calls ran (lag that fell
     inside the benchmark's own blocking variants is not counted)."""
     idle_lag_p99_us: float = 0.0
-    """p99 of the raw heartbeat lag of the async loop with no token path
-    (the pipelined run's ``idle`` baseline, same compute, same run): what
-    ppsync_async's raw lag p99 is compared with."""
+    """p99 of the raw lateness of the same 1 ms heartbeat on an event loop
+    that runs nothing else (a thread of the bench's waiting parent process),
+    over the samples due while the pipelined ppsync_async chunks ran: this
+    machine's scheduler stalls, which ppsync_async's lag_p99_us is compared
+    with (the target is the difference)."""
     pipelined: list[PipelinedStats]
     cpu: CpuStats
     ratios: dict[str, float]
