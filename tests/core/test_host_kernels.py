@@ -175,3 +175,17 @@ def _compare_release(ref: NumpyKernels, fast: NumpyKernels, s: dict[str, Any], f
         got.append((out[0], _release_fields(out[1]) if out[0] == "ok" else out[1],
                     None if table is None else table.tolist()))
     assert got[1] == got[0]
+
+
+def test_numba_kernels_are_warmed_when_built_never_in_a_step() -> None:
+    """Building the kernel set calls every kernel once per signature (the
+    dispatchers' first-call setup, ~5 ms, then happens at construction):
+    a signature the warm-up gets wrong is a TypeError here."""
+    from ppsync.core.host_kernels import jit
+
+    jit._warm = False
+    _sets(1, "exact")
+    assert jit._warm
+    jit._warm = False
+    jit.warm()  # every signature's call, run again: none raises
+    assert jit._warm

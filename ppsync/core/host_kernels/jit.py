@@ -179,3 +179,34 @@ def release(buf, magic, seq, w, digest, facts, keep, idx, expect_drafts, tokens_
                 for j in range(K):
                     table[idx[i], j] = buf[r + L + 2 + j]
     return flags
+
+
+# -- warm-up ------------------------------------------------------------------
+
+_warm = False
+
+
+def warm() -> None:
+    """Call every kernel once per signature on one-row arrays (results
+    unused), so a dispatcher's first-call setup (~5 ms for the first numba
+    call in a process, 0.05-0.2 ms for each kernel after) happens when a
+    token path is built, not in its first step. Once per process."""
+    global _warm
+    if _warm:
+        return
+    i64 = np.int64
+    frame_w = np.ones(_H + 6, i64)  # one row of L = 1, K = 1: W = 6 words
+    for dt in (i64, np.int32):
+        one = np.ones(1, dt)
+        batch_facts(np.zeros(1, dt), one, one, one, 1, np.empty((3, 1), i64),
+                    np.empty(1, np.bool_), np.ones(2, i64), np.zeros(3, i64))
+        values_ok(one, one, 1, 1)
+        for ddt in (i64, np.int32):
+            pack(np.zeros(_H + 6, i64), np.zeros((1, 1), i64), one, one,
+                 np.zeros((1, 1), ddt), True, np.zeros((2, 1), i64), 1, 1, frame_w)
+        # a zeroed frame: the header check answers BAD at once
+        release(np.zeros(_H + 6, i64), 1, 0, 1, 0, np.zeros((2, 1), i64),
+                np.ones(1, np.bool_), np.zeros(1, i64), -1, np.empty((1, 1), i64),
+                np.empty((2, 1), np.int32), np.empty(1, i64), np.empty((1, 1), i64),
+                np.zeros((1, 1), dt), False, 1, 1, frame_w)
+    _warm = True

@@ -40,6 +40,7 @@ class NumbaKernels(NumpyKernels):
 
     def __init__(self, frames: FrameCodec) -> None:
         super().__init__(frames)
+        jit.warm()  # first-call setup here, not in the first step
         self._facts_w = frames.facts_w
         self._facts_w_sums = frames.facts_w_sums
         self._frame_w = frames.frame_w
