@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import asdict
 
 import numpy as np
 
-from ppsync.bench.codec_cpu import hot_config, path_cpu
+from ppsync.bench.codec_cpu import hot_config, in_fresh_process, path_cpu
 from ppsync.bench.common import Heartbeat, idle_loop, rank_ctx, world_barrier
 from ppsync.bench.cpu import recorder_cpu
+from ppsync.bench.dispatches import Counts, count_all, format_table
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
 from ppsync.bench.pipelined import (
     SCHEMES,
@@ -81,6 +83,7 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     pipelined = _pipelined_stats(opts, pipe)
     last_hot, recv_hot = path_cpu({"host": hot_config(opts)}, iters=3000, seeds=True)
     rec = recorder_cpu(opts)
+    counted = in_fresh_process(count_all, opts.rows, opts.spec, 20)
     pipe_cpu = [np.concatenate(r.series["ppsync_sync@dedicated"].cpu_ns) for r in pipe]
     seeds_cpu = [np.concatenate(r.series["seeds@dedicated"].cpu_ns) for r in pipe]
     cpu = CpuStats(
@@ -108,6 +111,8 @@ def run_bench(opts: BenchOptions) -> BenchReport:
         lockstep=lockstep,
         lockstep_lag_p99_us=lag_p99,
         idle_lag_p99_us=idle_lag,
+        dispatches={scheme: {role: asdict(c) for role, c in roles.items()}
+                    for scheme, roles in counted.items()},
         pipelined=pipelined,
         cpu=cpu,
         ratios=ratios,
@@ -295,6 +300,10 @@ def format_tables(report: BenchReport) -> str:
                        for k, v in r.items() if k.endswith("world/dedicated"))
         lines += ["", f"ratios on the world group: {at_world}",
                   f"world group vs dedicated (p50, world / dedicated): {vs}"]
+    if report.dispatches:
+        counts = {o.spec: {scheme: {role: Counts(**c) for role, c in roles.items()}
+                           for scheme, roles in report.dispatches.items()}}
+        lines += ["", format_table(o.rows, counts)]
     ref = "" if report.reference_config else " (set for P=2, 256 rows, C=400 us; not this run)"
     lines += ["", f"targets{ref}:"]
     for t in report.targets:

@@ -195,6 +195,9 @@ class BenchReport(BaseModel):
     lockstep_lag_p99_us: float
     """Variant d: p99 of event-loop lag while d's calls ran (lag that fell
     inside the benchmark's own blocking variants is not counted)."""
+    dispatches: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
+    """Per step, per role, for this run's rows and K: {scheme: {role:
+    {dispatches, launches, collectives, host_syncs}}} (ppsync.bench.dispatches)."""
     idle_lag_p99_us: float = 0.0
     """p99 of the raw lateness of the same 1 ms heartbeat on an event loop
     that runs nothing else (a thread of the bench's waiting parent process),

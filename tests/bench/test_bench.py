@@ -66,8 +66,8 @@ def test_cli_bench_prints_tables_and_writes_json(
     text = capsys.readouterr().out
     for head in ("lockstep: P=2 rows=8 K=0", "pipelined: P=2 rows=8 K=0", "span_p50",
                  "recv_p50", "step_p50", "blk_p50", "done@cons", "lag_p99", "own CPU per step",
-                 "loop lag p99", "an idle loop's lag p99", "the seeds' host calls",
-                 "flight recorder per step", "targets"):
+                 "loop lag p99", "torch calls per step", "an idle loop's lag p99",
+                 "the seeds' host calls", "flight recorder per step", "targets"):
         assert head in text, head
     for name in LOCK_VARIANTS + SCHEMES:
         assert re.search(rf"^{name}\s+dedicated\s+\d", text, re.M), name
