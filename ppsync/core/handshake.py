@@ -21,14 +21,17 @@ from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
-           "exact_wire", "device_codec")
+           "exact_wire", "device_codec", "device_kernels")
+DEVICE_KERNELS = ("none", "torch", "triton")
+"""The ``device_kernels`` word: the device codec's kernel set (none: host codec)."""
 
 
-def config_words(config: SyncConfig) -> list[int]:
-    """What every rank must agree on, as integers (see ``_FIELDS``)."""
+def config_words(config: SyncConfig, device_kernels: str = "none") -> list[int]:
+    """What every rank must agree on, as integers (see ``_FIELDS``);
+    ``device_kernels``: the kernel set this rank's device codec chose."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
             config.num_speculative_steps, config.depth, int(config.wire == "exact"),
-            int(frames_on_device(config.codec))]
+            int(frames_on_device(config.codec)), DEVICE_KERNELS.index(device_kernels)]
 
 
 class Handshake:
@@ -39,13 +42,15 @@ class Handshake:
     :meth:`finish`, so the wait for slow peers never blocks the loop."""
 
     def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, device_kernels: str = "none") -> None:
         """``device``: where the words go (an NCCL / XCCL group takes device
-        tensors only; start-up, so reading them back is no hot-path sync)."""
+        tensors only; start-up, so reading them back is no hot-path sync);
+        ``device_kernels``: the device codec's kernel set ("none": host codec)."""
         self.config = config
         self.rank = rank
+        self.words = config_words(config, device_kernels)
         nonce = secrets.randbits(62)
-        mine = torch.tensor([*config_words(config), nonce], dtype=torch.int64, device=device)
+        mine = torch.tensor([*self.words, nonce], dtype=torch.int64, device=device)
         self._gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
         # the group's own call: it also serves a group not registered with
         # torch.distributed (see ppsync.core.groups.group_facts)
@@ -60,14 +65,22 @@ class Handshake:
         wait_work(self.work, timeout_s=config.timeout_s,
                   what=f"rank {rank}: configuration handshake", peer=None)
         self._gathered = [g.cpu() for g in self._gathered]
-        ref = dict(zip(_FIELDS, config_words(config), strict=True))
+        ref = dict(zip(_FIELDS, self.words, strict=True))
         for other, words in enumerate(self._gathered):
             theirs = dict(zip(_FIELDS, (int(w) for w in words[:-1]), strict=True))
             if theirs != ref:
-                diffs = ", ".join(f"{k}: mine {v} vs rank {other} {theirs[k]}"
+                diffs = ", ".join(f"{k}: mine {_word(k, v)} vs rank {other} "
+                                  f"{_word(k, theirs[k])}"
                                   for k, v in ref.items() if theirs[k] != v)
                 raise DesyncError(
                     f"rank {rank}: group rank {other} has another configuration ({diffs})",
                     expected=ref, received=theirs,
                 )
         return int(self._gathered[0][-1])
+
+
+def _word(field: str, value: int) -> str:
+    """A handshake word as a message shows it (the kernel set by name)."""
+    if field == "device_kernels" and 0 <= value < len(DEVICE_KERNELS):
+        return DEVICE_KERNELS[value]
+    return str(value)

@@ -136,7 +136,8 @@ class PathBase:
         """Packs, checks and releases this path's frames (ppsync.core.frame.codec)."""
         on_device = self.backend in DEVICE_ONLY_BACKENDS
         self.handshake: Handshake | None = Handshake(
-            config, group, rank=self.rank, device=self.platform.device if on_device else None)
+            config, group, rank=self.rank, device=self.platform.device if on_device else None,
+            device_kernels=self.codec.device_kernels_name)
         """Issued at once; finished here, or by the caller (``wait_handshake``
         False: an event loop awaits :meth:`handshake_work`, then calls
         finish_handshake)."""

@@ -25,6 +25,7 @@ from ppsync.schemas._validate import validate_as
 WireMode = Literal["fixed", "exact"]
 CodecName = Literal["host", "device"]
 HostKernelsName = Literal["auto", "numba", "numpy"]
+DeviceKernelsName = Literal["auto", "triton", "torch"]
 
 
 class SyncConfig(BaseModel):
@@ -58,6 +59,14 @@ class SyncConfig(BaseModel):
     the extra ppsync[jit]), 'numpy' (the reference), or 'auto'
     (numba where it can be loaded, else numpy). Both give the same frames,
     releases and errors; a rank-local setting: ranks need not agree."""
+    device_kernels: DeviceKernelsName = "auto"
+    """The device codec's per-step kernels: 'triton' (one fused kernel per
+    step and role: pack, checks, checksum and verdict on the last rank;
+    frame check and release on a receiver; the extra ppsync[triton]),
+    'torch' (torch ops, the reference), or 'auto' (Triton where it imports
+    and the device is CUDA or XPU, else torch ops). Both give the same
+    frames, releases and errors; the handshake compares the set each rank
+    chose. The host codec ignores it."""
     flight_events: int = Field(default=4096, ge=0, le=1 << 18)
     """Events the flight recorder keeps (the newest; 0 = recorder off). A
     rank-local setting: ranks need not agree on it."""

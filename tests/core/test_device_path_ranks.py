@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
+from ppsync.core.device_kernels import triton_error
 from ppsync.core.groups import token_group
 from ppsync.core.platform import Platform, StepEvent
 from ppsync.core.token_path import TokenPath
@@ -141,9 +142,9 @@ def test_bad_values_raise_one_step_late_on_every_rank() -> None:
         assert r.released == [s for s in range(STEPS) if s not in BAD]
 
 
-def _mixed_rank(env: RankEnv) -> str:
-    codec = "device" if env.rank == 0 else "host"
-    config = SyncConfig.build(pp_size=2, max_num_reqs=8, timeout_s=TIMEOUT_S, codec=codec)
+def _mixed_rank(fields: list[dict[str, str]], env: RankEnv) -> str:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=8, timeout_s=TIMEOUT_S,
+                              **fields[env.rank])
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     try:
         TokenPath(config, group, board=None)
@@ -155,9 +156,28 @@ def _mixed_rank(env: RankEnv) -> str:
 def test_a_group_mixing_codecs_is_a_desync_at_the_handshake() -> None:
     """The codecs write the same bytes but report bad values at different
     times, so a group uses one: the handshake names the difference."""
-    for rank, msg in enumerate(spawn_ranks(_mixed_rank, 2, timeout_s=TIMEOUT_S)):
+    fields = [{"codec": "device"}, {"codec": "host"}]
+    mixed = functools.partial(_mixed_rank, fields)
+    for rank, msg in enumerate(spawn_ranks(mixed, 2, timeout_s=TIMEOUT_S)):
         mine, theirs = (1, 0) if rank == 0 else (0, 1)
         assert re.search(rf"device_codec: mine {mine} vs rank {1 - rank} {theirs}", msg), msg
+        ks = ("torch", "none")
+        assert re.search(rf"device_kernels: mine {ks[rank]} vs rank {1 - rank} "
+                         rf"{ks[1 - rank]}", msg), msg
+
+
+@pytest.mark.skipif(triton_error() is not None,
+                    reason=f"Triton cannot be loaded ({triton_error()}): install ppsync[triton]")
+def test_a_group_mixing_device_kernels_is_a_desync_at_the_handshake() -> None:
+    """Both sets write the same frames, but a group uses one (the issue's
+    rule: the handshake compares the set with the codec)."""
+    ks = ("triton", "torch")
+    fields = [{"codec": "device", "device_kernels": k} for k in ks]
+    mixed = functools.partial(_mixed_rank, fields)
+    for rank, msg in enumerate(spawn_ranks(mixed, 2, timeout_s=TIMEOUT_S)):
+        assert "device_codec" not in msg, msg
+        assert re.search(rf"device_kernels: mine {ks[rank]} vs rank {1 - rank} "
+                         rf"{ks[1 - rank]}", msg), msg
 
 
 def test_a_verdict_whose_event_is_late_raises_at_the_next_call() -> None:

@@ -35,6 +35,7 @@ from fault_fuzz_inputs import Bad, collect, replace_field
 
 from ppsync.compat.vllm import PPHandler
 from ppsync.core.batch import BatchView
+from ppsync.core.device_kernels import triton_error
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError
@@ -44,9 +45,22 @@ from ppsync.schemas.config import SyncConfig
 VARIANTS: list[dict[str, str]] = [
     {"codec": "host", "host_kernels": "numpy"},  # the reference
     {"codec": "host", "host_kernels": "numba"},
-    {"codec": "device"},
+    {"codec": "device", "device_kernels": "torch"},
+    {"codec": "device", "device_kernels": "triton"},  # in Triton's interpreter
 ]
 """SyncConfig fields of each codec variant; the first is the reference."""
+
+
+def _variants() -> list[object]:
+    """The variants after the reference, as test parameters: one whose
+    library cannot be loaded here is skipped, saying why."""
+    out: list[object] = []
+    for v in VARIANTS[1:]:
+        why = triton_error() if v.get("device_kernels") == "triton" else None
+        marks = [pytest.mark.skip(reason=f"Triton cannot be loaded ({why}); "
+                                  "install ppsync[triton]")] if why else []
+        out.append(pytest.param(v, id=",".join(v.values()), marks=marks))
+    return out
 
 MAX_NUM_REQS, STEPS, TIMEOUT_S = 8, 90, 20.0
 BAD_EVERY = 4  # steps t % BAD_EVERY == 3 carry one bad call (k = 2)
@@ -162,11 +176,21 @@ def _fuzz_base(step: Step, bad: Bad) -> Step:
                 None, step.frees)
 
 
+def _uses(path: TokenPath, variant: dict[str, str]) -> None:
+    """The path runs the kernels the variant names (none silently swapped)."""
+    codec = path.codec
+    if "host_kernels" in variant:
+        assert codec.kernels.name == variant["host_kernels"]
+    if "device_kernels" in variant:
+        assert codec.device_kernels_name == variant["device_kernels"]
+
+
 def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
     config = SyncConfig.build(pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=k,
                               timeout_s=TIMEOUT_S, **variant)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     path = TokenPath(config, group, board=None)
+    _uses(path, variant)
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64) if k else None
     steps, bads, seen = _schedule(k, seed), _bad_calls(), Seen()
     for t in range(STEPS + 2):
@@ -218,7 +242,7 @@ def _value(message: str) -> str | None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("k", [0, 2])
-@pytest.mark.parametrize("variant", VARIANTS[1:], ids=lambda v: ",".join(v.values()))
+@pytest.mark.parametrize("variant", _variants())
 def test_every_codec_releases_what_the_reference_releases(k: int,
                                                           variant: dict[str, str]) -> None:
     seed = 11 + k
@@ -270,6 +294,7 @@ def _adapter_rank(variant: dict[str, str], interface: str, seed: int,
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64)
     with PPHandler(MAX_NUM_REQS, k, torch.device("cpu"), timeout_s=TIMEOUT_S,
                    interface=interface, board=None, **variant) as h:  # type: ignore[arg-type]
+        _uses(h._path, variant)
         for t in range(STEPS + 2):
             step = steps[t] if t < STEPS else None
             got = (h.get_prev_sampled_outputs(table) if interface == "0.32"
@@ -324,7 +349,7 @@ class _Batch:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("interface", ["0.32", "0.33"])
-@pytest.mark.parametrize("variant", VARIANTS[1:], ids=lambda v: ",".join(v.values()))
+@pytest.mark.parametrize("variant", _variants())
 def test_the_vllm_adapter_gives_the_same_outputs_with_every_codec(
         interface: str, variant: dict[str, str]) -> None:
     ref = spawn_ranks(functools.partial(_adapter_rank, VARIANTS[0], interface, 5), 2,

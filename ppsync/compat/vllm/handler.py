@@ -101,7 +101,8 @@ class PPHandler:
     the subclass this call builds; ``board``: where ranks post failures
     ("group", the default: in the token group's own store; None: no board);
     ``codec``: None picks the device codec for a non-CPU device;
-    ``host_kernels``: the host path's kernels (SyncConfig.host_kernels). Bad values
+    ``host_kernels``: the host path's kernels (SyncConfig.host_kernels);
+    ``device_kernels``: the device path's (SyncConfig.device_kernels). Bad values
     raise :class:`ConfigError` before any collective.
     """
 
@@ -138,6 +139,7 @@ class PPHandler:
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
+        device_kernels: Literal["auto", "triton", "torch"] = "auto",
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
             raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "
@@ -166,6 +168,7 @@ class PPHandler:
             timeout_s=timeout_s,
             codec=codec,
             host_kernels=host_kernels,
+            device_kernels=device_kernels,
         )
         self.config = config
         # the device codec's frames live on the engine's device: its backend

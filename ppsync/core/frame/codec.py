@@ -58,6 +58,9 @@ class StepCodec(Protocol):
     """The host frames: layout, digests, and the checks' error path."""
     buffers: BufferPool
     """Where this codec's frame buffers come from."""
+    device_kernels_name: str
+    """The device kernels' set ("torch", "triton"; "none": the host codec):
+    every rank of a group must have the same (the handshake compares it)."""
     kernels: NumpyKernels
     """The host kernels (config.host_kernels): a step's batch facts, and
     the host codec's checks, packing and release."""

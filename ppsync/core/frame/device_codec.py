@@ -1,25 +1,34 @@
-"""The device codec: a token path's steps in torch ops where the engine's
-tensors live; streams, events, lifetimes and deferred verdicts (rule 6 of
-docs/design.md; docs/design.md section 7). Frames are packed and checked by
-ppsync.core.frame.device_frames.
+"""The device codec: a token path's steps where the engine's tensors live;
+streams, events, lifetimes and deferred verdicts (rule 6 of docs/design.md;
+docs/design.md section 7). Frames are packed, checked and released by the
+device kernels chosen once (ppsync.core.device_kernels: torch ops or Triton).
+
+Per step the codec itself asks torch for little: the step's host facts go
+to the device in one copy (a staging buffer, see
+ppsync.core.frame.layout.Staging), the verdict comes back in one copy, and a
+receiver allocates the tensors it hands out. Frame buffers are taken from a
+pool and given back once their transfer completed and their verdict was
+read. Tensors made on one stream and read on the other are held (the
+sampler's outputs until the step's event completed) or made on the stream
+that uses them, so no ``record_stream`` is needed.
 
 Last rank, per step: the side stream waits on the main stream (the sampler's
-outputs are ready), then packs the frame on the side stream (device ops),
-copies the verdict to its host slot without blocking, issues the broadcast
-(XPU first synchronizes the main stream), and records the step's event. The
-host reads the verdict at its next call once the event completed
-(``query()``, never a synchronize); a bad one raises BatchError there, one
-step late; the frame already carried FLAG_BAD_VALUES to the receivers.
+outputs are ready), then packs the frame on the side stream, copies the
+verdict to its host slot without blocking, issues the broadcast (XPU first
+synchronizes the main stream), and records the step's event. The host reads
+the verdict at its next call once the event completed (``query()``, never a
+synchronize); a bad one raises BatchError there, one step late; the frame
+already carried FLAG_BAD_VALUES to the receivers.
 
 Receivers: the receive is issued on the side stream after it waits on the
-main stream. At consume, the side stream waits for the transfer (NCCL /
-XCCL: device-side, ``work.wait()``; gloo: the host observes the work, then
-its future syncs the side stream to gloo's copies), checks the frame and
-copies the released tensors out on the side stream, records the event; the
-main stream waits on it, and the tensors are recorded on the main stream.
-The verdict is read when the event has completed: at this consume, or at
-the next one (at most one step late). On CPU ops run eagerly, so verdicts
-are read at once: the last rank at its next call, receivers at consume.
+main stream. At consume the outputs are allocated on the main stream, the
+side stream waits on the main stream and for the transfer (NCCL / XCCL:
+device-side, ``work.wait()``; gloo: the host observes the work, then its
+future syncs the side stream to gloo's copies), checks the frame and
+releases it, records the event; the main stream waits on it. The verdict
+is read when the event has completed: at this consume, or at the next one
+(at most one step late). On CPU ops run eagerly, so verdicts are read at
+once: the last rank at its next call, receivers at consume.
 
 Nothing here reads device data on the host except the error path, after a
 verdict said something is wrong.
@@ -36,7 +45,13 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
-from ppsync.core.checks import check_sampled_meta, check_step_drafts_meta, check_width_fits
+from ppsync.core.checks import (
+    check_sampled_meta,
+    check_step_drafts_meta,
+    check_width_fits,
+    value_bounds,
+)
+from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for
 from ppsync.core.frame.codec import Issue, StepDrafts, Wait
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
@@ -59,17 +74,27 @@ _H_FLAGS = int(Header.FLAGS)
 
 
 @dataclass(slots=True)
+class HostStage:
+    """A host staging buffer (pinned on a device) and its views, made once."""
+
+    t: torch.Tensor  # [Staging.words] int64
+    np: np.ndarray  # the same memory
+    verdict: torch.Tensor  # [1]: the last word, where the device verdict is copied
+
+
+@dataclass(slots=True)
 class Unread:
     """A step whose verdict the host has not read yet."""
 
     sent: bool  # the last rank sent it (else: received)
     seq: int
     event: StepEvent
-    staging: torch.Tensor  # host; its last word receives the verdict
+    stage: HostStage
     buf: torch.Tensor  # the frame (read on the error path only)
     frame: FrameView
     expect_drafts: bool | None = None
     tokens_w: int = 0  # sent: the tokens' width, num_sampled's bound (as the host codec's)
+    held: tuple[object, ...] = ()  # sent: the sampler's outputs, read on the side stream
 
 
 class DeviceCodec:
@@ -85,6 +110,9 @@ class DeviceCodec:
         self.codec = DeviceFrameCodec(config, platform.device)
         self.frames: FrameCodec = self.codec.layout
         self.kernels = host_kernels_for(config, self.frames)  # the batch facts, on the host
+        self.device_kernels: DeviceKernels = device_kernels_for(config, self.codec)
+        """The frames' per-step device work (config.device_kernels)."""
+        self.device_kernels_name: str = self.device_kernels.name
         self.buffers = self.codec.buffers
         self.side = platform.new_stream()
         self.stream_ordered = backend in ("nccl", "xccl")
@@ -92,24 +120,40 @@ class DeviceCodec:
         never waits for it. gloo: the host observes its completion."""
         self.rank = rank
         self.src = src
-        self._staging: list[torch.Tensor] = []
+        words = self.frames.staging.words
+        self._stage_dev = torch.empty(words, dtype=torch.int64, device=self.device)
+        """The step's staging, copied to the device (one per codec: every use
+        is ordered on the side stream)."""
+        self._verdict_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._free_stages: list[HostStage] = []
+        self._stages: dict[int, HostStage] = {}  # by id of the host tensor
+        self._holds: dict[int, int] = {}  # sent frames: uses left before the pool takes them
         self.unread: deque[Unread] = deque()
 
-    def _host(self) -> torch.Tensor:
-        if self._staging:
-            return self._staging.pop()
-        return self.platform.host_buffer(self.frames.staging.words)
+    def _host(self) -> HostStage:
+        if self._free_stages:
+            return self._free_stages.pop()
+        t = self.platform.host_buffer(self.frames.staging.words)
+        stage = HostStage(t, t.numpy(), t[-1:])
+        self._stages[id(t)] = stage
+        return stage
 
     def skip(self, head: PendingStep) -> None:
         """The receive never touches its staging buffer: give it back."""
         if head.staging is not None:
-            self._staging.append(head.staging)
+            self._free_stages.append(self._stages[id(head.staging)])
 
     def reuse(self, buf: torch.Tensor) -> None:
-        """Device frames are not reused."""
+        """``buf``'s transfer completed: a sent frame returns to the pool once
+        its verdict was read too; a skipped receive's at once."""
+        self._drop(buf)
 
-    def _verdict(self, staging: torch.Tensor) -> torch.Tensor:
-        return staging[-1:]
+    def _drop(self, buf: torch.Tensor) -> None:
+        left = self._holds.pop(id(buf), 1) - 1
+        if left:
+            self._holds[id(buf)] = left
+        else:
+            self.buffers.give(buf)
 
     def settle(self, all_: bool = False) -> None:
         """Read the verdicts of steps whose event completed (all of them with
@@ -118,14 +162,17 @@ class DeviceCodec:
             u = self.unread.popleft()
             if all_:
                 u.event.synchronize()  # at close only, never on the hot path
-            bad = int(self._verdict(u.staging)[0])  # host memory, written once the event ran
+            bad = int(u.stage.np[-1])  # host memory, written once the event ran
             if bad:
                 self.unread.clear()
                 raise self._sent_error(u) if u.sent else self._received_error(u, bad)
-            self._staging.append(u.staging)
+            self._free_stages.append(u.stage)
+            if u.sent:
+                self._drop(u.buf)
+            else:
+                self.buffers.give(u.buf)  # released: the kernels read it out
 
     # -- last rank --------------------------------------------------------
-
     def prepare(
         self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
         num_sampled: object, num_rejected: object, draft_tokens: object | None,
@@ -158,26 +205,28 @@ class DeviceCodec:
                              "device codec")
         assert not isinstance(drafts, np.ndarray)  # check_drafts returned a tensor
         outputs = step.outputs
-        p, codec = self.platform, self.codec
-        staging = self._host()
-        flags = self.frames.flags(drafts is not None)
-        staged = codec.stage(staging, frame, flags)
+        p, lay = self.platform, self.frames
+        stage = self._host()
+        flags = lay.flags(drafts is not None)
+        w = outputs[0].shape[1]
+        self.codec.stage(stage.t, frame, flags,
+                         value_bounds(w, lay.num_drafts, frame.width(lay)))
         main = p.current_stream()
         p.wait_stream(self.side, main)  # the sampler's outputs are complete
         with p.use(self.side):
             buf = self.buffers.take(frame.num_reqs)
-            verdict = codec.pack(buf, staged, *outputs, drafts)
-            self._verdict(staging).copy_(verdict, non_blocking=True)
+            self._stage_dev.copy_(stage.t, non_blocking=True)
+            self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, *outputs, drafts,
+                                     self._verdict_dev)
+            stage.verdict.copy_(self._verdict_dev, non_blocking=True)
             p.before_send(main)
             work = issue(buf)
             if self.stream_ordered:
                 work.wait()  # device-side: the side stream waits for the collective
             event = p.record_event(self.side)
-        for t in (*outputs, drafts):
-            if t is not None:
-                p.record_stream(t, self.side)  # made on the main stream, read on the side
-        self.unread.append(Unread(True, frame.seq, event, staging, buf, frame,
-                                  tokens_w=outputs[0].shape[1]))
+        self._holds[id(buf)] = 2  # its transfer, and its verdict
+        self.unread.append(Unread(True, frame.seq, event, stage, buf, frame, tokens_w=w,
+                                  held=(*outputs, drafts)))
         return buf, work, flags, 0
 
     def _sent_error(self, u: Unread) -> BatchError:
@@ -192,14 +241,15 @@ class DeviceCodec:
     def post(self, frame: FrameView, issue: Issue
              ) -> tuple[torch.Tensor, torch.Tensor | None, dist.Work]:
         """Issue one receive on the side stream; returns (frame, staging, work)."""
-        p, codec = self.platform, self.codec
-        staging = self._host()
-        codec.stage(staging, frame, 0)  # this rank's view: what the frame must say
+        p, lay = self.platform, self.frames
+        stage = self._host()
+        w = frame.width(lay)  # this rank's view: what the frame must say
+        self.codec.stage(stage.t, frame, 0, value_bounds(w, lay.num_drafts, w))
         p.wait_stream(self.side, p.current_stream())
         with p.use(self.side):
             buf = self.buffers.take(frame.num_reqs)
             work = issue(buf)
-        return buf, staging, work
+        return buf, stage.t, work
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
                 table: torch.Tensor | None, wait: Wait, rank: int) -> ReleasedStep:
@@ -207,17 +257,16 @@ class DeviceCodec:
         on the step's event). The step's own verdict is read now if its event
         completed, else at the next call (the token path settles earlier
         steps before its ring moves)."""
-        frame, buf, staging, work = head.frame, head.buf, head.staging, head.work
-        assert staging is not None  # post() staged this rank's view
+        frame, buf, work = head.frame, head.buf, head.work
+        assert head.staging is not None  # post() staged this rank's view
+        stage = self._stages[id(head.staging)]
         idx_np, expect_drafts = head.idx_np, head.expect_drafts
-        p, codec, lay = self.platform, self.codec, self.frames
+        p, lay, dev = self.platform, self.frames, self.device
         n, K = frame.num_reqs, lay.num_drafts
-        w = frame.width(lay)
-        s, at = staging.numpy(), lay.staging
-        idx_out = np.where(keep, idx_np, -1)
+        s, at = stage.np, lay.staging
         kept_rows = np.flatnonzero(keep)
         nk = kept_rows.shape[0]
-        s[at.idx_out : at.idx_out + n] = idx_out
+        np.copyto(s[at.idx_out : at.idx_out + n], np.where(keep, idx_np, -1))
         s[at.kept_slots : at.kept_slots + nk] = idx_np[kept_rows]
         s[at.kept_rows : at.kept_rows + nk] = kept_rows
         main = p.current_stream()
@@ -226,42 +275,27 @@ class DeviceCodec:
                 work.wait()  # device-side
             else:
                 wait(work, frame.seq)  # gloo: bounded host wait; its future syncs the side stream
-            staged = staging[: at.view_words(n)]
-            verdict = codec.check(buf, staged, n, w)
-            # [3 * R]: idx_out, kept_slots, kept_rows (see Staging)
-            facts = staging[at.idx_out : at.verdict].to(p.device, non_blocking=True)
-            flags = buf[_H_FLAGS : _H_FLAGS + 1]
-            has_drafts = (flags & FLAG_HAS_DRAFTS) != 0  # [1] bool, device
-            if expect_drafts is not None:
-                verdict = verdict + (has_drafts != expect_drafts).to(torch.int64) * V_DRAFTS
-            self._verdict(staging).copy_(verdict, non_blocking=True)
-            rows = lay.device_rows(buf, n)
-            tokens = rows[:, :w].clone()
-            num_sampled = rows[:, lay.col_num_sampled].to(torch.int32)
-            num_rejected = rows[:, lay.col_num_rejected].to(torch.int32)
-            idx_mapping = facts[:n].clone()
-            drafts = (rows[:, lay.col_drafts : lay.col_slot_need].clone()
-                      if K and self._has_drafts(buf, expect_drafts) else None)
+        hand_drafts = K > 0 and self._has_drafts(buf, expect_drafts)  # after the wait
+        # made on the main stream, which uses them (no record_stream)
+        out = Outputs(torch.empty((n, frame.width(lay)), dtype=torch.int64, device=dev),
+                      torch.empty((2, n), dtype=torch.int32, device=dev),
+                      torch.empty(n, dtype=torch.int64, device=dev),
+                      torch.empty((n, K), dtype=torch.int64, device=dev) if hand_drafts
+                      else None)
+        p.wait_stream(self.side, main)  # the main stream's earlier use of their memory
+        with p.use(self.side):
+            self._stage_dev.copy_(stage.t, non_blocking=True)
+            self.device_kernels.release(buf, self._stage_dev, n, expect_drafts, out,
+                                        table if hand_drafts else None, nk, self._verdict_dev)
+            stage.verdict.copy_(self._verdict_dev, non_blocking=True)
             event = p.record_event(self.side)
         p.wait_event(main, event)
-        out = [tokens, num_sampled, num_rejected, idx_mapping]
-        if drafts is not None:
-            out.append(drafts)
-        for t in (*out, facts, has_drafts):
-            p.record_stream(t, main)  # made on the side stream, used on the main one
-        if table is not None and drafts is not None and nk:
-            # rule 4 on the device: kept rows only; a frame without drafts
-            # leaves the table as it was (chosen on the device, no host read)
-            slots_at, rows_at = at.kept_slots - at.idx_out, at.kept_rows - at.idx_out
-            slots = facts[slots_at : slots_at + nk]
-            picked = drafts.index_select(0, facts[rows_at : rows_at + nk])
-            old = table.index_select(0, slots)
-            table.index_copy_(0, slots, torch.where(has_drafts, picked.to(table.dtype), old))
-        self.unread.append(Unread(False, frame.seq, event, staging, buf, frame, expect_drafts))
+        num_sampled, num_rejected = out.counts.unbind()
+        self.unread.append(Unread(False, frame.seq, event, stage, buf, frame, expect_drafts))
         self.settle()
-        return ReleasedStep(seq=frame.seq, sampled_tokens=tokens, num_sampled=num_sampled,
-                            num_rejected=num_rejected, idx_mapping=idx_mapping,
-                            draft_tokens=drafts, kept_np=keep)
+        return ReleasedStep(seq=frame.seq, sampled_tokens=out.tokens, num_sampled=num_sampled,
+                            num_rejected=num_rejected, idx_mapping=out.idx_mapping,
+                            draft_tokens=out.drafts, kept_np=keep)
 
     def _has_drafts(self, buf: torch.Tensor, expect_drafts: bool | None) -> bool:
         """Whether a received frame's drafts are handed out, as the host codec
@@ -274,7 +308,7 @@ class DeviceCodec:
         if expect_drafts is not None:
             return expect_drafts
         if self.platform.host_reads_free:
-            return bool(int(buf[_H_FLAGS]) & FLAG_HAS_DRAFTS)
+            return bool(buf.numpy()[_H_FLAGS] & FLAG_HAS_DRAFTS)
         return True
 
     def _received_error(self, j: Unread, bad: int) -> DesyncError | BatchError:

@@ -30,6 +30,7 @@ class HostCodec:
     """The host codec's share of a token path (see ppsync.core.frame.codec)."""
 
     on_device = False
+    device_kernels_name = "none"
 
     def __init__(self, config: SyncConfig) -> None:
         self.frames = FrameCodec(config)

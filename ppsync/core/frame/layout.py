@@ -93,34 +93,34 @@ def slot_need_words(idx_np: np.ndarray, need_np: np.ndarray) -> np.ndarray:
 
 class Staging:
     """The named regions of a device codec's host staging buffer (pinned on
-    a device), offsets in int64 words for R = max_num_reqs:
+    a device), offsets in int64 words for R = max_num_reqs. The whole buffer
+    goes to the device in one copy per step; the kernels read it there:
 
-    - ``[0, view_words(n))``: this rank's view of the frame: the header words,
-      then slot_need[n] and num_computed[n] (copied to the device in one);
+    - ``[0, HEADER_WORDS)``: the header words this rank expects (the
+      checksum word 0: the device computes it);
+    - ``bounds [2]``: the step's largest valid num_sampled, num_rejected;
+    - ``facts [n, 2]``: each row's slot_need and num_computed, interleaved
+      as the frame's last two columns hold them;
     - ``idx_out [R]``, ``kept_slots [R]``, ``kept_rows [R]``: a receiver's
       consume: the idx_mapping handed out, the kept rows' request slots and
-      the kept rows (copied in one, from ``idx_out``);
+      the kept rows;
     - ``verdict``: the last word, the device verdict's host copy."""
+
+    bounds = HEADER_WORDS
+    facts_at = HEADER_WORDS + 2
 
     def __init__(self, max_num_reqs: int) -> None:
         R = max_num_reqs
-        self.idx_out = HEADER_WORDS + 2 * R
+        self.idx_out = self.facts_at + 2 * R
         self.kept_slots = self.idx_out + R
         self.kept_rows = self.kept_slots + R
         self.verdict = self.kept_rows + R
         self.words = self.verdict + 1
 
     @staticmethod
-    def slot_need(n: int) -> slice:
-        return slice(HEADER_WORDS, HEADER_WORDS + n)
-
-    @staticmethod
-    def computed(n: int) -> slice:
-        return slice(HEADER_WORDS + n, HEADER_WORDS + 2 * n)
-
-    @staticmethod
-    def view_words(n: int) -> int:
-        return HEADER_WORDS + 2 * n
+    def facts(n: int) -> slice:
+        """The [n, 2] row facts, flat."""
+        return slice(Staging.facts_at, Staging.facts_at + 2 * n)
 
 
 class FrameLayout:

@@ -1,5 +1,6 @@
-"""The device codec (torch ops) against the host codec (numpy): the same
-step gives the same frame, word for word; its checks give verdicts without
+"""The device codec's kernel sets (torch ops; Triton, in its interpreter)
+against the host codec (numpy): the same step gives the same frame, word for
+word, and the same release; their checks give the same verdicts without
 reading values on the host; platforms are chosen from the device."""
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from ppsync.core.checks import check_sampled_meta
+from ppsync.core.checks import check_sampled_meta, value_bounds
+from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for, triton_error
 from ppsync.core.frame import FLAG_BAD_VALUES, BufferPool, FrameView, slot_need_words
 from ppsync.core.frame.device_frames import (
+    V_DRAFTS,
     V_FLAGGED,
     V_FRAME,
     V_NUM_REJECTED,
@@ -44,73 +47,150 @@ def _step(k: int, n: int, w: int, seed: int) -> tuple[FrameView, np.ndarray, np.
     return view, tokens, ns, nr, rng.integers(0, 1 << 62, (n, k)).astype(np.int64)
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
-@pytest.mark.parametrize("wire", ["fixed", "exact"])
-@pytest.mark.parametrize("with_drafts", [True, False])
-@pytest.mark.parametrize("narrow", [False, True])
-def test_device_frame_equals_host_frame(k: int, wire: str, with_drafts: bool,
-                                        narrow: bool) -> None:
-    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k, wire=wire)
-    host, dev = FrameCodec(config), DeviceFrameCodec(config, CPU)
-    w = 1 if narrow else k + 1
-    view, tokens, ns, nr, drafts = _step(k, 11, w, seed=k * 10 + w)
-    has = with_drafts and k > 0
-    hbuf = BufferPool(host).take(11)
-    hbuf.numpy()[:] = 0
-    host.pack(hbuf.numpy(), view, tokens, ns, nr, drafts if has else None)
-    dbuf = dev.buffers.take(11)
-    dbuf[:] = 0
-    staged = dev.stage(dev_staging(dev), view, dev.layout.flags(has))
-    verdict = dev.pack(dbuf, staged, torch.from_numpy(tokens), torch.from_numpy(ns),
-                       torch.from_numpy(nr), torch.from_numpy(drafts) if has else None)
-    assert int(verdict[0]) == 0
-    assert np.array_equal(dbuf.numpy(), hbuf.numpy())
-    # and the device check of that frame against the same view passes
-    exp = dev.stage(dev_staging(dev), view, 0)
-    assert int(dev.check(dbuf, exp, 11, view.width(host))[0]) == 0
-    host.check(dbuf.numpy(), view, rank=0)  # the host codec accepts the device's frame
+KERNEL_SETS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(
+        triton_error() is not None,
+        reason=f"Triton cannot be loaded ({triton_error()}): install ppsync[triton]")),
+]
+"""The device kernel sets; Triton's run in its interpreter on CPU tensors."""
+
+
+def kernel_set(name: str, dev: DeviceFrameCodec) -> DeviceKernels:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=dev.layout.max_num_reqs,
+                              num_speculative_steps=dev.layout.num_drafts,
+                              device_kernels=name)
+    ks = device_kernels_for(config, dev)
+    assert ks.name == name
+    return ks
 
 
 def dev_staging(dev: DeviceFrameCodec) -> torch.Tensor:
     return Platform(CPU).host_buffer(dev.layout.staging.words)
 
 
+def pack(ks: DeviceKernels, dev: DeviceFrameCodec, view: FrameView, flags: int,
+         tokens: np.ndarray, ns: np.ndarray, nr: np.ndarray, drafts: np.ndarray | None,
+         ) -> tuple[torch.Tensor, int]:
+    """(the frame, the verdict) of one step packed by ``ks``."""
+    lay, n, w = dev.layout, view.num_reqs, tokens.shape[1]
+    staging = dev_staging(dev)
+    dev.stage(staging, view, flags, value_bounds(w, lay.num_drafts, view.width(lay)))
+    buf = dev.buffers.take(n)
+    buf[:] = 7  # stale words from an earlier frame must not matter
+    verdict = torch.zeros(1, dtype=torch.int64)
+    ks.pack(buf, staging, n, torch.from_numpy(tokens), torch.from_numpy(ns),
+            torch.from_numpy(nr), None if drafts is None else torch.from_numpy(drafts), verdict)
+    return buf, int(verdict[0])
+
+
+def release(ks: DeviceKernels, dev: DeviceFrameCodec, buf: torch.Tensor, view: FrameView,
+            keep: np.ndarray | None = None, expect: bool | None = None,
+            table: torch.Tensor | None = None) -> tuple[int, Outputs]:
+    """(the verdict, the outputs) of one received frame checked and released
+    by ``ks`` against ``view`` (idx: the view's slot_need // 2)."""
+    lay, n = dev.layout, view.num_reqs
+    w = view.width(lay)
+    staging = dev_staging(dev)
+    dev.stage(staging, view, 0, value_bounds(w, lay.num_drafts, w))
+    assert view.slot_need_np is not None
+    idx = view.slot_need_np // 2
+    keep = np.ones(n, dtype=bool) if keep is None else keep
+    s, at = staging.numpy(), lay.staging
+    rows = np.flatnonzero(keep)
+    s[at.idx_out : at.idx_out + n] = np.where(keep, idx, -1)
+    s[at.kept_slots : at.kept_slots + rows.shape[0]] = idx[rows]
+    s[at.kept_rows : at.kept_rows + rows.shape[0]] = rows
+    K = lay.num_drafts
+    out = Outputs(torch.full((n, w), -9, dtype=torch.int64),
+                  torch.full((2, n), -9, dtype=torch.int32), torch.full((n,), -9),
+                  torch.full((n, K), -9) if K else None)
+    verdict = torch.zeros(1, dtype=torch.int64)
+    ks.release(buf, staging, n, expect, out, table, int(rows.shape[0]), verdict)
+    return int(verdict[0]), out
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("wire", ["fixed", "exact"])
+@pytest.mark.parametrize("with_drafts", [True, False])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_device_frame_equals_host_frame(kernels: str, k: int, wire: str, with_drafts: bool,
+                                        narrow: bool) -> None:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k, wire=wire)
+    host, dev = FrameCodec(config), DeviceFrameCodec(config, CPU)
+    ks = kernel_set(kernels, dev)
+    w = 1 if narrow else k + 1
+    view, tokens, ns, nr, drafts = _step(k, 11, w, seed=k * 10 + w)
+    has = with_drafts and k > 0
+    hbuf = BufferPool(host).take(11)
+    hbuf.numpy()[:] = 0
+    host.pack(hbuf.numpy(), view, tokens, ns, nr, drafts if has else None)
+    dbuf, verdict = pack(ks, dev, view, dev.layout.flags(has), tokens, ns, nr,
+                         drafts if has else None)
+    assert verdict == 0
+    used = host.used(11)
+    assert np.array_equal(dbuf.numpy()[:used], hbuf.numpy()[:used])
+    host.check(dbuf.numpy(), view, rank=0)  # the host codec accepts the device's frame
+    # the device check of that frame against the same view passes, and the
+    # release hands out the host codec's rows
+    keep = np.arange(11) % 3 != 1
+    table = torch.full((16, k), -5, dtype=torch.int64)
+    verdict, out = release(ks, dev, dbuf, view, keep, expect=has, table=table if k else None)
+    assert verdict == 0
+    rows = host.rows(hbuf.numpy(), 11)
+    assert np.array_equal(out.tokens.numpy(), rows[:, :w])
+    assert out.counts.dtype == torch.int32
+    assert np.array_equal(out.counts.numpy(), np.stack([ns, nr]))
+    assert view.slot_need_np is not None
+    assert np.array_equal(out.idx_mapping.numpy(), np.where(keep, view.slot_need_np // 2, -1))
+    if k:
+        assert out.drafts is not None
+        assert np.array_equal(out.drafts.numpy(), host.drafts(rows))
+        want = np.full((16, k), -5)
+        if has:
+            want[view.slot_need_np[keep] // 2] = drafts[keep]
+        assert np.array_equal(table.numpy(), want)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
 @pytest.mark.parametrize(("field", "value", "bit"), [
     ("num_sampled", 4, V_NUM_SAMPLED), ("num_sampled", -1, V_NUM_SAMPLED),
     ("num_rejected", 3, V_NUM_REJECTED), ("num_rejected", -2, V_NUM_REJECTED),
 ])
-def test_bad_values_give_a_verdict_and_flag_the_frame(field: str, value: int, bit: int) -> None:
+def test_bad_values_give_a_verdict_and_flag_the_frame(kernels: str, field: str, value: int,
+                                                      bit: int) -> None:
     k = 2
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k)
     dev = DeviceFrameCodec(config, CPU)
+    ks = kernel_set(kernels, dev)
     view, tokens, ns, nr, _ = _step(k, 5, k + 1, seed=3)
     (ns if field == "num_sampled" else nr)[2] = value
-    buf = dev.buffers.take(5)
-    staged = dev.stage(dev_staging(dev), view, dev.layout.flags(False))
-    verdict = dev.pack(buf, staged, torch.from_numpy(tokens), torch.from_numpy(ns),
-                       torch.from_numpy(nr), None)
-    assert int(verdict[0]) == bit
+    buf, verdict = pack(ks, dev, view, dev.layout.flags(False), tokens, ns, nr, None)
+    assert verdict == bit
     assert int(buf[5]) & FLAG_BAD_VALUES
     # a receiver's check sees the flag and the value itself
-    exp = dev.stage(dev_staging(dev), view, 0)
-    assert int(dev.check(buf, exp, 5, k + 1)[0]) == bit | V_FLAGGED
+    assert release(ks, dev, buf, view)[0] == bit | V_FLAGGED
     err = dev.value_error(buf.numpy(), 5, k + 1, k + 1, "")
     rule = "w = 3" if field == "num_sampled" else "K = 2"
     assert re.search(rf"{field}\[2\] = {value} outside \[0, {rule}\]", str(err))
 
 
-def test_a_receivers_other_view_is_a_frame_verdict() -> None:
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_a_receivers_other_view_is_a_frame_verdict(kernels: str) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=1)
     dev = DeviceFrameCodec(config, CPU)
+    ks = kernel_set(kernels, dev)
     view, tokens, ns, nr, _ = _step(1, 4, 2, seed=5)
-    buf = dev.buffers.take(4)
-    dev.pack(buf, dev.stage(dev_staging(dev), view, 0), torch.from_numpy(tokens),
-             torch.from_numpy(ns), torch.from_numpy(nr), None)
-    assert view.computed_np is not None
+    buf, _ = pack(ks, dev, view, 0, tokens, ns, nr, None)
+    assert view.computed_np is not None and view.slot_need_np is not None
     other = FrameView(view.seq, 4, view.idx_digest, view.slot_need_np, view.computed_np + 1)
-    assert int(dev.check(buf, dev.stage(dev_staging(dev), other, 0), 4, 2)[0]) == V_FRAME
+    assert release(ks, dev, buf, other)[0] == V_FRAME
+    assert release(ks, dev, buf, view, expect=True)[0] == V_DRAFTS
+    later = FrameView(view.seq + 1, 4, view.idx_digest, view.slot_need_np, view.computed_np)
+    assert release(ks, dev, buf, later)[0] == V_FRAME
     buf[7] += 1  # the checksum word disagrees with the payload
-    assert int(dev.check(buf, dev.stage(dev_staging(dev), view, 0), 4, 2)[0]) == V_FRAME
+    assert release(ks, dev, buf, view)[0] == V_FRAME
 
 
 def test_meta_checks_do_not_read_values_but_name_the_field() -> None:

@@ -4,10 +4,14 @@ without CUDA; ``make gpu-check`` runs the multi-rank checks."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
+from ppsync.core.checks import value_bounds
+from ppsync.core.device_kernels import device_kernels_for, triton_error
 from ppsync.core.frame import BufferPool, FrameView, slot_need_words
 from ppsync.core.frame.device_frames import V_NUM_SAMPLED, DeviceFrameCodec
 from ppsync.core.frame.host_frames import FrameCodec
@@ -21,10 +25,16 @@ pytestmark = [
 ]
 
 
-def test_cuda_frame_equals_host_frame_without_a_host_sync() -> None:
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
+    if kernels == "triton" and (triton_error() is not None or _interpreting()):
+        pytest.skip("compiled Triton kernels need triton and TRITON_INTERPRET=0")
     dev = torch.device("cuda", 0)
-    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=2)
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=2,
+                              device_kernels=kernels)
     host, codec, p = FrameCodec(config), DeviceFrameCodec(config, dev), platform_for(dev)
+    ks = device_kernels_for(config, codec)
+    assert ks.name == kernels
     idx = np.array([3, 9, 1], dtype=np.int64)
     computed = np.array([10, 11, 1 << 40], dtype=np.int64)
     need = np.array([True, True, False])
@@ -39,14 +49,17 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync() -> None:
     tokens, ns, nr, drafts = (torch.from_numpy(a).to(dev)
                               for a in (tokens_np, ns_np, nr_np, drafts_np))
     staging = p.host_buffer(codec.layout.staging.words)
+    codec.stage(staging, view, codec.layout.flags(True), value_bounds(3, 2, 3))
+    stage_dev = torch.empty_like(staging, device=dev)
+    verdict = torch.zeros(1, dtype=torch.int64, device=dev)
     buf = torch.zeros(host.words(3), dtype=torch.int64, device=dev)
     side = p.new_stream()
     p.wait_stream(side, p.current_stream())
     torch.cuda.set_sync_debug_mode("error")
     try:
         with p.use(side):
-            verdict = codec.pack(buf, codec.stage(staging, view, codec.layout.flags(True)),
-                                 tokens, ns, nr, drafts)
+            stage_dev.copy_(staging, non_blocking=True)
+            ks.pack(buf, stage_dev, 3, tokens, ns, nr, drafts, verdict)
             staging[-1:].copy_(verdict, non_blocking=True)
             event = p.record_event(side)
         p.wait_event(p.current_stream(), event)
@@ -55,6 +68,10 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync() -> None:
     event.synchronize()
     assert int(staging[-1]) == 0
     assert np.array_equal(buf.cpu().numpy(), hbuf.numpy())
-    bad = codec.pack(torch.zeros_like(buf), codec.stage(staging, view, 0), tokens, ns + 3, nr,
-                     None)
-    assert int(bad.cpu()[0]) == V_NUM_SAMPLED
+    stage_dev.copy_(staging)
+    ks.pack(torch.zeros_like(buf), stage_dev, 3, tokens, ns + 3, nr, None, verdict)
+    assert int(verdict.cpu()[0]) == V_NUM_SAMPLED
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -36,5 +36,6 @@ def test_columns_and_staging_regions_do_not_overlap() -> None:
     assert cols == [L, L + 1, L + 2, L + 2 + K, L + 3 + K]
     assert lay.row_width == L + 4 + K
     at = Staging(8)
-    assert Staging.view_words(8) <= at.idx_out < at.kept_slots < at.kept_rows < at.verdict
-    assert at.words == at.verdict + 1 == HEADER_WORDS + 5 * 8 + 1
+    assert HEADER_WORDS == Staging.bounds < Staging.facts_at == Staging.bounds + 2
+    assert Staging.facts(8).stop <= at.idx_out < at.kept_slots < at.kept_rows < at.verdict
+    assert at.words == at.verdict + 1 == HEADER_WORDS + 2 + 5 * 8 + 1

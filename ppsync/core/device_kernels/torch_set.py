@@ -1,0 +1,125 @@
+"""The device kernels in torch ops: the reference, and what runs where
+Triton does not (CPU tensors, a device without Triton).
+
+Lean by construction: the staged host facts arrive in one copy
+(ppsync.core.frame.layout.Staging), each row is written by a few wide copies
+into the frame, the checksum is one product and one sum over the frame's
+used prefix, the value checks are one clamp against the staged bounds, and
+a release writes into the codec's tensors instead of making fresh ones.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ppsync.core.device_kernels import Outputs
+from ppsync.core.frame.device_frames import (
+    V_DRAFTS,
+    V_FLAGGED,
+    V_FRAME,
+    V_NUM_REJECTED,
+    V_NUM_SAMPLED,
+    DeviceFrameCodec,
+)
+from ppsync.core.frame.layout import (
+    FLAG_BAD_VALUES,
+    FLAG_HAS_DRAFTS,
+    HEADER_WORDS,
+    Header,
+    Staging,
+)
+
+_H_FLAGS, _H_CSUM = int(Header.FLAGS), int(Header.CHECKSUM)
+
+
+class TorchKernels:
+    """The device codec's per-step work as torch ops."""
+
+    name: Literal["torch", "triton"] = "torch"
+
+    def __init__(self, frames: DeviceFrameCodec) -> None:
+        lay = frames.layout
+        dev = frames.device
+        self.layout = lay
+        self.frame_w = frames.frame_w
+        self.L, self.K, self.W = lay.sample_width, lay.num_drafts, lay.row_width
+        self.staging = lay.staging
+        # built once: what the checks compare with and weigh by
+        self._value_bits = torch.tensor([V_NUM_SAMPLED, V_NUM_REJECTED], device=dev)
+        self._zeros = torch.zeros(2, dtype=torch.int64, device=dev)
+        head_mask = torch.full((HEADER_WORDS,), -1, dtype=torch.int64)
+        head_mask[[_H_FLAGS, _H_CSUM]] = 0  # the header words a receiver does not compare
+        self._head_mask = head_mask.to(dev)
+        self._neg1 = torch.full((lay.max_num_reqs, max(lay.sample_width, lay.num_drafts)), -1,
+                                dtype=torch.int64, device=dev)
+
+    def _rows(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        return buf[HEADER_WORDS : HEADER_WORDS + n * self.W].view(n, self.W)
+
+    def _facts(self, stage: torch.Tensor, n: int) -> torch.Tensor:
+        return stage[Staging.facts(n)].view(n, 2)
+
+    def _bad_values(self, counts: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
+        """[] int64: V_NUM_SAMPLED / V_NUM_REJECTED for ``counts`` [n, 2]
+        (num_sampled, num_rejected) outside [0, the staged bounds]."""
+        bounds = stage[Staging.bounds : Staging.bounds + 2]
+        bad = (counts.clamp(min=self._zeros, max=bounds) != counts).any(0)
+        verdict: torch.Tensor = (bad * self._value_bits).sum()
+        return verdict
+
+    def _checksum(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """[] int64: the host codec's weighted sum over the used prefix
+        (the checksum word is weighted 0); wraps."""
+        end = HEADER_WORDS + n * self.W
+        return (buf[:end] * self.frame_w[:end]).sum()
+
+    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, tokens: torch.Tensor,
+             num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+             drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
+        L, K, w = self.L, self.K, tokens.shape[1]
+        rows = self._rows(buf, n)
+        rows[:, :w] = tokens
+        if w < L:
+            rows[:, w:L] = self._neg1[:n, : L - w]
+        counts = rows[:, L : L + 2]
+        counts.copy_(torch.stack((num_sampled, num_rejected), 1))
+        if K:
+            rows[:, L + 2 : L + 2 + K] = self._neg1[:n, :K] if drafts is None else drafts
+        rows[:, L + 2 + K :] = self._facts(stage, n)
+        buf[:HEADER_WORDS] = stage[:HEADER_WORDS]
+        v = self._bad_values(counts, stage)
+        buf[_H_FLAGS] |= (v != 0) * FLAG_BAD_VALUES  # the verdict travels, under the checksum
+        buf[_H_CSUM] = self._checksum(buf, n)
+        verdict.copy_(v)
+
+    def release(self, buf: torch.Tensor, stage: torch.Tensor, n: int,
+                expect_drafts: bool | None, out: Outputs, table: torch.Tensor | None,
+                kept: int, verdict: torch.Tensor) -> None:
+        L, K, st = self.L, self.K, self.staging
+        rows = self._rows(buf, n)
+        head = buf[:HEADER_WORDS]
+        counts = rows[:, L : L + 2]
+        bad_frame = (((head ^ stage[:HEADER_WORDS]) & self._head_mask).any()
+                     | (self._checksum(buf, n) != head[_H_CSUM])
+                     | (rows[:, L + 2 + K :] != self._facts(stage, n)).any())
+        flags = head[_H_FLAGS]
+        has = (flags & FLAG_HAS_DRAFTS) != 0
+        v = (bad_frame * V_FRAME + ((flags & FLAG_BAD_VALUES) != 0) * V_FLAGGED
+             + self._bad_values(counts, stage))
+        if expect_drafts is not None:
+            v = v + (has != expect_drafts) * V_DRAFTS
+        verdict.copy_(v)
+        out.tokens.copy_(rows[:, : out.tokens.shape[1]])
+        out.counts.copy_(counts.t())
+        out.idx_mapping.copy_(stage[st.idx_out : st.idx_out + n])
+        if out.drafts is None:
+            return
+        out.drafts.copy_(rows[:, L + 2 : L + 2 + K])
+        if table is not None and kept:
+            # rule 4: kept rows only; a frame without drafts leaves the table
+            slots = stage[st.kept_slots : st.kept_slots + kept]
+            picked = out.drafts.index_select(0, stage[st.kept_rows : st.kept_rows + kept])
+            table.index_copy_(0, slots, torch.where(has, picked.to(table.dtype),
+                                                    table.index_select(0, slots)))

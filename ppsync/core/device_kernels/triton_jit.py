@@ -1,0 +1,144 @@
+"""The fused device kernels, in Triton (the extra ``ppsync[triton]``).
+
+Each is one program (grid (1,)): a frame is small (a header and up to
+max_num_reqs rows of L + 4 + K words), and one program can reduce the whole
+checksum and verdict without atomics. It walks the rows in tiles of BR rows
+by BW columns (BW: W = L + 4 + K rounded up to a power of two). Integer
+arithmetic is int64 and wraps mod 2**64, as numpy's and torch's do, so the
+checksum equals the host codec's word for word.
+
+Layouts: ppsync.core.frame.layout (the frame; Staging, the host facts'
+device copy ``stage``). Verdict bits: ppsync.core.frame.device_frames.
+Importing this module imports Triton; set TRITON_INTERPRET=1 before the
+process starts to run the kernels on CPU tensors (the tests do).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pack_frame(
+    buf_ptr, stage_ptr, fw_ptr, tok_ptr, ns_ptr, nr_ptr, dr_ptr, verdict_ptr,
+    n, w, tok_s0, tok_s1, ns_s, nr_s, dr_s0, dr_s1,
+    L: tl.constexpr, K: tl.constexpr, HAS_DRAFTS: tl.constexpr, HW: tl.constexpr,
+    BOUNDS: tl.constexpr, FACTS: tl.constexpr, FLAG_BAD: tl.constexpr,
+    BR: tl.constexpr, BW: tl.constexpr,
+):
+    """The last rank's step: the frame, its checksum and its verdict."""
+    W: tl.constexpr = L + 4 + K
+    c = tl.arange(0, BW)[None, :]
+    max_ns = tl.load(stage_ptr + BOUNDS)
+    max_nr = tl.load(stage_ptr + BOUNDS + 1)
+    acc = tl.zeros([BR, BW], dtype=tl.int64)
+    bad_ns = tl.zeros([BR], dtype=tl.int64)
+    bad_nr = tl.zeros([BR], dtype=tl.int64)
+    for r0 in range(0, n, BR):
+        rows = r0 + tl.arange(0, BR)
+        rm = rows < n
+        r = rows[:, None]
+        rm2 = rm[:, None]
+        val = tl.load(tok_ptr + r * tok_s0 + c * tok_s1, mask=rm2 & (c < w),
+                      other=-1).to(tl.int64)
+        nsv = tl.load(ns_ptr + rows * ns_s, mask=rm, other=0).to(tl.int64)
+        nrv = tl.load(nr_ptr + rows * nr_s, mask=rm, other=0).to(tl.int64)
+        bad_ns |= ((nsv < 0) | (nsv > max_ns)).to(tl.int64)
+        bad_nr |= ((nrv < 0) | (nrv > max_nr)).to(tl.int64)
+        val = tl.where(c == L, nsv[:, None], val)
+        val = tl.where(c == L + 1, nrv[:, None], val)
+        if K > 0:
+            in_dr = (c >= L + 2) & (c < L + 2 + K)
+            if HAS_DRAFTS:
+                drv = tl.load(dr_ptr + r * dr_s0 + (c - (L + 2)) * dr_s1, mask=rm2 & in_dr,
+                              other=-1).to(tl.int64)
+                val = tl.where(in_dr, drv, val)
+            else:
+                val = tl.where(in_dr, -1, val)
+        fcol = c - (L + 2 + K)  # 0: slot_need, 1: num_computed
+        is_fact = (fcol >= 0) & (fcol < 2)
+        fv = tl.load(stage_ptr + FACTS + 2 * r + fcol, mask=rm2 & is_fact, other=0)
+        val = tl.where(is_fact, fv, val)
+        m = rm2 & (c < W)
+        at = HW + r * W + c
+        tl.store(buf_ptr + at, val, mask=m)
+        acc += val * tl.load(fw_ptr + at, mask=m, other=0)
+    verdict = tl.max(bad_ns, axis=0) + 2 * tl.max(bad_nr, axis=0)
+    hc = tl.arange(0, HW)
+    head = tl.load(stage_ptr + hc)  # the staged header; its checksum word is 0
+    head = tl.where(hc == 5, head | tl.where(verdict != 0, FLAG_BAD, 0), head)
+    csum = tl.sum(tl.sum(acc, axis=1), axis=0) + tl.sum(head * tl.load(fw_ptr + hc), axis=0)
+    tl.store(buf_ptr + hc, tl.where(hc == HW - 1, csum, head))
+    tl.store(verdict_ptr, verdict)
+
+
+@triton.jit
+def check_release(
+    buf_ptr, stage_ptr, fw_ptr, tok_ptr, cnt_ptr, idx_ptr, dr_ptr, tab_ptr, verdict_ptr,
+    n, w, kept, expect, tab_s0, tab_s1,
+    L: tl.constexpr, K: tl.constexpr, HAND_DRAFTS: tl.constexpr, HAS_TABLE: tl.constexpr,
+    HW: tl.constexpr, BOUNDS: tl.constexpr, FACTS: tl.constexpr, IDX_OUT: tl.constexpr,
+    KEPT_SLOTS: tl.constexpr, KEPT_ROWS: tl.constexpr, FLAG_BAD: tl.constexpr,
+    FLAG_DRAFTS: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
+):
+    """A receiver's step: check the frame against this rank's view and
+    release it (tokens, counts, idx_mapping, drafts; kept drafts into the
+    table). ``expect``: 1 / 0 the frame must (not) have drafts, -1 either."""
+    W: tl.constexpr = L + 4 + K
+    c = tl.arange(0, BW)[None, :]
+    hc = tl.arange(0, HW)
+    head = tl.load(buf_ptr + hc)
+    exp = tl.load(stage_ptr + hc)
+    # every header word but the flags and the checksum must be this rank's
+    bad_frame = tl.max(((head != exp) & (hc != 5) & (hc != HW - 1)).to(tl.int64), axis=0)
+    flags = tl.sum(tl.where(hc == 5, head, 0), axis=0)
+    sent_csum = tl.sum(tl.where(hc == HW - 1, head, 0), axis=0)
+    hw = tl.load(fw_ptr + hc)
+    max_ns = tl.load(stage_ptr + BOUNDS)
+    max_nr = tl.load(stage_ptr + BOUNDS + 1)
+    acc = tl.zeros([BR, BW], dtype=tl.int64)
+    bad_rows = tl.zeros([BR], dtype=tl.int64)
+    bad_ns = tl.zeros([BR], dtype=tl.int64)
+    bad_nr = tl.zeros([BR], dtype=tl.int64)
+    for r0 in range(0, n, BR):
+        rows = r0 + tl.arange(0, BR)
+        rm = rows < n
+        r = rows[:, None]
+        rm2 = rm[:, None]
+        m = rm2 & (c < W)
+        at = HW + r * W + c
+        val = tl.load(buf_ptr + at, mask=m, other=0)
+        acc += val * tl.load(fw_ptr + at, mask=m, other=0)
+        fcol = c - (L + 2 + K)
+        is_fact = (fcol >= 0) & (fcol < 2)
+        fv = tl.load(stage_ptr + FACTS + 2 * r + fcol, mask=rm2 & is_fact, other=0)
+        bad_rows |= tl.max((is_fact & rm2 & (val != fv)).to(tl.int64), axis=1)
+        nsv = tl.sum(tl.where(c == L, val, 0), axis=1)
+        nrv = tl.sum(tl.where(c == L + 1, val, 0), axis=1)
+        bad_ns |= (rm & ((nsv < 0) | (nsv > max_ns))).to(tl.int64)
+        bad_nr |= (rm & ((nrv < 0) | (nrv > max_nr))).to(tl.int64)
+        tl.store(tok_ptr + r * w + c, val, mask=rm2 & (c < w))
+        tl.store(cnt_ptr + rows, nsv.to(tl.int32), mask=rm)
+        tl.store(cnt_ptr + n + rows, nrv.to(tl.int32), mask=rm)
+        tl.store(idx_ptr + rows, tl.load(stage_ptr + IDX_OUT + rows, mask=rm, other=0), mask=rm)
+        if HAND_DRAFTS:
+            in_dr = (c >= L + 2) & (c < L + 2 + K)
+            tl.store(dr_ptr + r * K + (c - (L + 2)), val, mask=rm2 & in_dr)
+    csum = tl.sum(tl.sum(acc, axis=1), axis=0) + tl.sum(head * hw, axis=0)
+    bad_frame |= tl.max(bad_rows, axis=0) | (csum != sent_csum).to(tl.int64)
+    has = ((flags & FLAG_DRAFTS) != 0).to(tl.int64)
+    verdict = (bad_frame * 4 + ((flags & FLAG_BAD) != 0).to(tl.int64) * 8
+               + tl.max(bad_ns, axis=0) + 2 * tl.max(bad_nr, axis=0)
+               + ((expect >= 0) & (has != expect)).to(tl.int64) * 16)
+    tl.store(verdict_ptr, verdict)
+    if HAS_TABLE:
+        d = tl.arange(0, BK)[None, :]
+        upto = kept * has  # a frame without drafts leaves the table as it was
+        for k0 in range(0, upto, BR):
+            ks = k0 + tl.arange(0, BR)
+            km = (ks < upto)[:, None] & (d < K)
+            slot = tl.load(stage_ptr + KEPT_SLOTS + ks, mask=ks < upto, other=0)[:, None]
+            row = tl.load(stage_ptr + KEPT_ROWS + ks, mask=ks < upto, other=0)[:, None]
+            drv = tl.load(buf_ptr + HW + row * W + L + 2 + d, mask=km, other=0)
+            tl.store(tab_ptr + slot * tab_s0 + d * tab_s1, drv, mask=km)
