@@ -12,12 +12,20 @@ reaches torch's dispatcher while one role's calls of one step run:
   the transport (the loopback of ppsync.bench.loopback stands in for the
   broadcast; what it does to copy is not counted);
 - host syncs: ``aten._local_scalar_dense`` (``.item()``, ``int(t)``), the
-  calls that wait for a device.
+  calls that wait for a device;
+- Triton launches: the device kernels' launches (each kernel object of the
+  Triton set wrapped here; what Triton's interpreter does with torch while
+  it runs a kernel on CPU tensors is not counted: compiled, it is one launch);
+- kernels: the compute kernels a GPU would run: Triton launches and the
+  launches that neither allocate (``empty``) nor copy (``copy_``, ``_to_copy``);
+- calls: dispatches + Triton launches + collectives, what the issue's
+  targets compare (each costs host time on the thread that drives the model).
 
 Schemes: vLLM's GPU scheme as the seeds ran it (ppsync.bench.seeds' host
 calls around three broadcasts, two when K = 0), ppsync's host codec and its
-device codec (on CPU tensors: the same torch calls a GPU would get, streams
-and events aside), each on a real :class:`TokenPath` pair in one process
+device codec with each kernel set (torch ops; Triton, in its interpreter:
+on CPU tensors the same calls a GPU would get, streams and events aside),
+each on a real :class:`TokenPath` pair in one process
 (ppsync.bench.codec_cpu.path_pair). The counting hooks live here, never in
 the token path. Counts are per step, averaged over ``steps`` hot steps.
 """
@@ -25,6 +33,7 @@ the token path. Counts are per step, averaged over ``steps`` hot steps.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +44,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ppsync.bench.codec_cpu import _step_calls, in_fresh_process, path_pair
 from ppsync.bench.common import fixed_step
 from ppsync.bench.seeds import SeedsHostOps
+from ppsync.core.device_kernels import triton_error
 from ppsync.core.token_path import TokenPath
+from ppsync.schemas.bench import Target
 from ppsync.schemas.config import SyncConfig
 
-SCHEMES = ("vllm gpu (seeds)", "ppsync host", "ppsync device")
+SCHEMES = ("vllm gpu (seeds)", "ppsync host", "ppsync device/torch", "ppsync device/triton")
 ROLES = ("receiver", "last rank")
 
 
@@ -50,6 +61,17 @@ class Counts:
     launches: float = 0.0
     collectives: float = 0.0
     host_syncs: float = 0.0
+    triton: float = 0.0
+    kernels: float = 0.0
+
+    @property
+    def calls(self) -> float:
+        """Torch dispatches, Triton launches and collectives."""
+        return self.dispatches + self.triton + self.collectives
+
+
+_NOT_COMPUTE = ("empty", "copy_", "_to_copy")
+"""Launches that allocate or copy (aten op names, overload aside)."""
 
 
 class DispatchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -58,20 +80,25 @@ class DispatchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.paused = False
-        self.dispatches = self.launches = self.collectives = self.host_syncs = 0
+        self.counts = Counts()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if not self.paused:
-            self.dispatches += 1
-            self.launches += not func.is_view
-            self.host_syncs += func.__name__.startswith("_local_scalar_dense")
+            c = self.counts
+            c.dispatches += 1
+            if not func.is_view:
+                c.launches += 1
+                c.kernels += func.__name__.split(".")[0] not in _NOT_COMPUTE
+            c.host_syncs += func.__name__.startswith("_local_scalar_dense")
         return func(*args, **(kwargs or {}))
 
-    def collective(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a transfer) counted as one collective, its own calls not."""
+    def _uncounted(self, field: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` counted once in ``field``; the torch calls it makes not."""
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.collectives += 1
+            setattr(self.counts, field, getattr(self.counts, field) + 1)
+            if field == "triton":
+                self.counts.kernels += 1
             self.paused = True
             try:
                 return fn(*args, **kwargs)
@@ -79,11 +106,24 @@ class DispatchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.paused = False
         return counted
 
+    def collective(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a transfer) counted as one collective, its own calls not."""
+        return self._uncounted("collectives", fn)
+
+    def triton_kernel(self, kernel: Any) -> Any:
+        """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
+        counter = self
+
+        class Counted:
+            def __getitem__(self, grid: Any) -> Callable[..., Any]:
+                return counter._uncounted("triton", kernel[grid])
+
+        return Counted()
+
     def take(self, steps: int) -> Counts:
         """The counts so far, per step; then zero."""
-        out = Counts(self.dispatches / steps, self.launches / steps,
-                     self.collectives / steps, self.host_syncs / steps)
-        self.dispatches = self.launches = self.collectives = self.host_syncs = 0
+        out = _div(self.counts, steps)
+        self.counts = Counts()
         return out
 
 
@@ -107,12 +147,14 @@ def _count(calls: tuple[Callable[[], object], Callable[[], object]], counter: Di
 
 
 def _add(a: Counts, b: Counts) -> Counts:
-    return Counts(a.dispatches + b.dispatches, a.launches + b.launches,
-                  a.collectives + b.collectives, a.host_syncs + b.host_syncs)
+    return Counts(**{f: getattr(a, f) + getattr(b, f) for f in _FIELDS})
 
 
 def _div(a: Counts, n: int) -> Counts:
-    return Counts(a.dispatches / n, a.launches / n, a.collectives / n, a.host_syncs / n)
+    return Counts(**{f: getattr(a, f) / n for f in _FIELDS})
+
+
+_FIELDS = tuple(Counts.__dataclass_fields__)
 
 
 def _path_counts(config: SyncConfig, steps: int) -> dict[str, Counts]:
@@ -120,6 +162,10 @@ def _path_counts(config: SyncConfig, steps: int) -> dict[str, Counts]:
     with path_pair(config) as (last, receiver):
         for path in (last, receiver):
             _count_transfers(path, counter)
+            kernels = getattr(path.codec, "device_kernels", None)
+            if kernels is not None and kernels.name == "triton":
+                kernels.pack_kernel = counter.triton_kernel(kernels.pack_kernel)
+                kernels.release_kernel = counter.triton_kernel(kernels.release_kernel)
         step = fixed_step(config.max_num_reqs, config.num_speculative_steps)
         return _count(_step_calls(last, receiver, step), counter, steps)
 
@@ -151,33 +197,66 @@ def _seeds_counts(rows: int, spec: int, steps: int) -> dict[str, Counts]:
 
 def count_all(rows: int, spec: int, steps: int) -> dict[str, dict[str, Counts]]:
     """{scheme: {role: per-step counts}} for every scheme at ``rows``, K =
-    ``spec``. It makes gloo pairs: call it in a process that forks no ranks
-    later (``in_fresh_process``)."""
-    def config(codec: str) -> SyncConfig:
+    ``spec`` (the Triton set where Triton imports, in its interpreter). It
+    makes gloo pairs: call it in a process that forks no ranks later
+    (``in_fresh_process``), and that has not imported Triton yet."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors: before Triton's import
+
+    def config(codec: str, kernels: str = "auto") -> SyncConfig:
         return SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
-                                timeout_s=30.0, codec=codec)
-    return {
+                                timeout_s=30.0, codec=codec,
+                                device_kernels=kernels)
+    out = {
         SCHEMES[0]: _seeds_counts(rows, spec, steps),
         SCHEMES[1]: _path_counts(config("host"), steps),
-        SCHEMES[2]: _path_counts(config("device"), steps),
+        SCHEMES[2]: _path_counts(config("device", "torch"), steps),
     }
+    if triton_error() is None:
+        out[SCHEMES[3]] = _path_counts(config("device", "triton"), min(steps, 5))
+    return out
+
+
+def call_targets(counts: dict[str, dict[str, Counts]]) -> list[Target]:
+    """Issue 19's targets for one K's counts (reported, never asserted):
+    the Triton device codec's calls per role at most the seeds' (vLLM's GPU
+    scheme's), at most 2 compute kernels, 1 collective and no host sync; the
+    torch-op device codec's calls at most twice the seeds'."""
+    seeds = counts[SCHEMES[0]]
+    rows: list[tuple[str, float, float]] = []
+    triton = counts.get(SCHEMES[3])
+    for role in ROLES:
+        if triton is not None:
+            c = triton[role]
+            rows += [(f"triton calls {role} / seeds'", c.calls / seeds[role].calls, 1.0),
+                     (f"triton compute kernels {role}", c.kernels, 2.0),
+                     (f"triton collectives {role}", c.collectives, 1.0),
+                     (f"triton host syncs {role}", c.host_syncs, 0.0)]
+        torch_calls = counts[SCHEMES[2]][role].calls
+        rows.append((f"torch-op calls {role} / seeds'", torch_calls / seeds[role].calls, 2.0))
+    return [Target(name=n, value=v, limit=lim, met=v <= lim) for n, v, lim in rows]
 
 
 def format_table(rows: int, counts: dict[int, dict[str, dict[str, Counts]]]) -> str:
-    """The per step, per role table: dispatches / launches / collectives /
-    host syncs, for each K in ``counts``."""
-    lines = [f"torch calls per step, per role (rows={rows}, P=2; dispatches incl. views / "
-             "launches (non-view ops) / collectives / host syncs)"]
-    head = f"{'scheme':<18}" + "".join(f" {f'{r}, K={k}':>22}" for k in counts for r in ROLES)
+    """The per step, per role table: calls = dispatches + Triton launches +
+    collectives, then dispatches / launches / Triton launches / compute
+    kernels / collectives / host syncs, for each K in ``counts``."""
+    lines = [f"torch calls per step, per role (rows={rows}, P=2): calls = dispatches + "
+             "Triton launches + collectives; then dispatches incl. views / launches "
+             "(non-view ops) / Triton launches / compute kernels / collectives / host syncs"]
+    head = f"{'scheme':<21}" + "".join(f" {f'{r}, K={k}':>26}" for k in counts for r in ROLES)
     lines.append(head)
     for scheme in SCHEMES:
+        if any(scheme not in counts[k] for k in counts):
+            lines.append(f"{scheme:<21} (not run: Triton cannot be loaded here)")
+            continue
         cells = []
         for k in counts:
             for role in ROLES:
                 c = counts[k][scheme][role]
-                cell = f"{c.dispatches:g}/{c.launches:g}/{c.collectives:g}/{c.host_syncs:g}"
-                cells.append(f" {cell:>22}")
-        lines.append(f"{scheme:<18}" + "".join(cells))
+                cell = (f"{c.calls:g}: {c.dispatches:g}/{c.launches:g}/{c.triton:g}/"
+                        f"{c.kernels:g}/{c.collectives:g}/{c.host_syncs:g}")
+                cells.append(f" {cell:>26}")
+        lines.append(f"{scheme:<21}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -191,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     # each in a fresh process: no gloo pair lives in a process that later forks ranks
     counts = {k: in_fresh_process(count_all, args.rows, k, args.steps) for k in args.spec}
     print(format_table(args.rows, counts))
+    for k, by_scheme in counts.items():
+        print(f"targets, K={k}:")
+        for t in call_targets(by_scheme):
+            print(f"  {t.name:<40} {t.value:>6.2f} <= {t.limit:<4g} "
+                  f"{'met' if t.met else 'MISSED'}")
     return 0
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from ppsync.bench.codec_cpu import hot_config, in_fresh_process, path_cpu
 from ppsync.bench.common import Heartbeat, idle_loop, rank_ctx, world_barrier
 from ppsync.bench.cpu import recorder_cpu
-from ppsync.bench.dispatches import Counts, count_all, format_table
+from ppsync.bench.dispatches import Counts, call_targets, count_all, format_table
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
 from ppsync.bench.pipelined import (
     SCHEMES,
@@ -116,7 +116,7 @@ def run_bench(opts: BenchOptions) -> BenchReport:
         pipelined=pipelined,
         cpu=cpu,
         ratios=ratios,
-        targets=_targets(opts, ratios, cpu, idle_lag, pipelined),
+        targets=_targets(opts, ratios, cpu, idle_lag, pipelined) + call_targets(counted),
         reference_config=reference,
         wall_s=time.perf_counter() - started,
     )

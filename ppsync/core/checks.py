@@ -47,7 +47,7 @@ def _meta(name: str, t: object, ndim: int, device: torch.device,
     t = _tensor(name, t, ndim, dtypes)
     if t.device != device:
         raise BatchError(f"{name} is on {t.device}; the token path's device is {device}")
-    return t.detach()
+    return t.detach() if t.requires_grad else t  # a detach is a dispatch per tensor
 
 
 def _check_shapes(tokens: tuple[int, ...], num_sampled: tuple[int, ...],

@@ -209,7 +209,7 @@ class DeviceCodec:
         stage = self._host()
         flags = lay.flags(drafts is not None)
         w = outputs[0].shape[1]
-        self.codec.stage(stage.t, frame, flags,
+        self.codec.stage(stage.np, frame, flags,
                          value_bounds(w, lay.num_drafts, frame.width(lay)))
         main = p.current_stream()
         p.wait_stream(self.side, main)  # the sampler's outputs are complete
@@ -244,7 +244,7 @@ class DeviceCodec:
         p, lay = self.platform, self.frames
         stage = self._host()
         w = frame.width(lay)  # this rank's view: what the frame must say
-        self.codec.stage(stage.t, frame, 0, value_bounds(w, lay.num_drafts, w))
+        self.codec.stage(stage.np, frame, 0, value_bounds(w, lay.num_drafts, w))
         p.wait_stream(self.side, p.current_stream())
         with p.use(self.side):
             buf = self.buffers.take(frame.num_reqs)

@@ -61,14 +61,13 @@ class DeviceFrameCodec:
         self.frame_w = torch.from_numpy(lay.frame_w.copy()).to(device)
         self.buffers = BufferPool(lay, device)
 
-    def stage(self, staging: torch.Tensor, view: FrameView, flags: int,
+    def stage(self, s: np.ndarray, view: FrameView, flags: int,
               bounds: tuple[int, int]) -> None:
-        """Write ``view``'s host facts into ``staging`` (host, see
-        :class:`~ppsync.core.frame.layout.Staging`): the header words (the
-        checksum word 0: the device computes it), the value ``bounds``
-        (largest valid num_sampled, num_rejected) and the row facts."""
+        """Write ``view``'s host facts into ``s``, a host staging buffer's
+        memory (see :class:`~ppsync.core.frame.layout.Staging`): the header
+        words (the checksum word 0: the device computes it), the value
+        ``bounds`` (largest valid num_sampled, num_rejected) and the row facts."""
         n = view.num_reqs
-        s = staging.numpy()
         s[:HEADER_WORDS] = (*view.header_words(self.layout, flags), 0)
         s[Staging.bounds : Staging.bounds + 2] = bounds
         facts = s[Staging.facts(n)].reshape(n, 2)

@@ -75,7 +75,7 @@ def pack(ks: DeviceKernels, dev: DeviceFrameCodec, view: FrameView, flags: int,
     """(the frame, the verdict) of one step packed by ``ks``."""
     lay, n, w = dev.layout, view.num_reqs, tokens.shape[1]
     staging = dev_staging(dev)
-    dev.stage(staging, view, flags, value_bounds(w, lay.num_drafts, view.width(lay)))
+    dev.stage(staging.numpy(), view, flags, value_bounds(w, lay.num_drafts, view.width(lay)))
     buf = dev.buffers.take(n)
     buf[:] = 7  # stale words from an earlier frame must not matter
     verdict = torch.zeros(1, dtype=torch.int64)
@@ -92,7 +92,7 @@ def release(ks: DeviceKernels, dev: DeviceFrameCodec, buf: torch.Tensor, view: F
     lay, n = dev.layout, view.num_reqs
     w = view.width(lay)
     staging = dev_staging(dev)
-    dev.stage(staging, view, 0, value_bounds(w, lay.num_drafts, w))
+    dev.stage(staging.numpy(), view, 0, value_bounds(w, lay.num_drafts, w))
     assert view.slot_need_np is not None
     idx = view.slot_need_np // 2
     keep = np.ones(n, dtype=bool) if keep is None else keep

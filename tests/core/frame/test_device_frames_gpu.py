@@ -49,7 +49,7 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
     tokens, ns, nr, drafts = (torch.from_numpy(a).to(dev)
                               for a in (tokens_np, ns_np, nr_np, drafts_np))
     staging = p.host_buffer(codec.layout.staging.words)
-    codec.stage(staging, view, codec.layout.flags(True), value_bounds(3, 2, 3))
+    codec.stage(staging.numpy(), view, codec.layout.flags(True), value_bounds(3, 2, 3))
     stage_dev = torch.empty_like(staging, device=dev)
     verdict = torch.zeros(1, dtype=torch.int64, device=dev)
     buf = torch.zeros(host.words(3), dtype=torch.int64, device=dev)
