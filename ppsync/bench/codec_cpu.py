@@ -34,6 +34,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TypeVar, cast
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
@@ -76,12 +77,13 @@ def gloo_pair(timeout_s: float = 30.0) -> tuple[dist.ProcessGroup, dist.ProcessG
 
 
 @contextmanager
-def path_pair(config: SyncConfig) -> Iterator[tuple[TokenPath, TokenPath]]:
+def path_pair(config: SyncConfig, device: torch.device | None = None
+              ) -> Iterator[tuple[TokenPath, TokenPath]]:
     """(last rank, receiver) real token paths of ``config`` (pp_size 2) on a
     one-process gloo pair, each with a TransportClock; drained and closed
-    on exit."""
+    on exit. ``device``: where the device codec's tensors live (CPU)."""
     receiver_group, last_group = gloo_pair(config.timeout_s)
-    paths = [TokenPath(config, g, board=None, wait_handshake=False)
+    paths = [TokenPath(config, g, board=None, wait_handshake=False, device=device)
              for g in (last_group, receiver_group)]
     link = LoopbackLink()
     for path in paths:

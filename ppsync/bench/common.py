@@ -90,6 +90,14 @@ class FixedStep:
     drafts: torch.Tensor | None  # [rows, K] int64; None when K = 0
     counts: torch.Tensor  # [2 * rows] int32: num_sampled then num_rejected (seeds)
 
+    def to(self, device: torch.device) -> FixedStep:
+        """The same step with its tensors on ``device``."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+        tokens, ns, nr, counts = (t.to(device) for t in (self.tokens, self.num_sampled,
+                                                         self.num_rejected, self.counts))
+        return FixedStep(self.view, tokens, ns, nr, move(self.drafts), counts)
+
 
 def fixed_step(rows: int, num_drafts: int, *, seed: int = 0) -> FixedStep:
     rng = np.random.default_rng(seed)

@@ -20,6 +20,13 @@ c) with >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, the workload with exact
 d) a receive pending on a late peer (the last rank publishes 3 s late) does
    not hold the receiver's main stream: work queued on it after post()
    completes long before the frame arrives (NCCL with >= 2 GPUs, else gloo).
+e) per step, per role, on GPU 0: host µs on the calling thread and device µs
+   between events for vLLM's GPU scheme (the seeds' calls), the device codec
+   with torch ops and with Triton (ppsync.bench.gpu_steps), K = 0 and 3,
+   every token-path call under sync debug "error".
+
+a and c run the workload once per device kernel set (torch ops; Triton,
+compiled, where it imports: run with TRITON_INTERPRET unset or 0).
 
 Prints one table; exits 0 when every check passed, 1 when any failed, and 2
 without running anything where there is no CUDA device (a check that ran
@@ -44,7 +51,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ppsync.bench.codec_cpu import in_fresh_process
+from ppsync.bench.gpu_steps import format_timing, time_schemes
 from ppsync.core.batch import BatchView
+from ppsync.core.device_kernels import triton_error
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import BatchError
@@ -106,12 +116,13 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _workload_rank(steps: int, backend: str, mode: str, env: RankEnv) -> Result:
+def _workload_rank(steps: int, backend: str, mode: str, kernels: str, env: RankEnv) -> Result:
     dev = _device(env.rank)
-    config = _config(env.world_size)
+    config = _config(env.world_size, device_kernels=kernels)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
     path = TokenPath(config, group, device=dev)
+    assert path.codec.device_kernels_name == kernels
     found: list[str] = []
     report = run_sync_rank(path, workload_config(config, steps=steps, seed=11),
                            hot=_hot(mode, found))
@@ -239,13 +250,23 @@ def _run(name: str, fn: Callable[[], tuple[bool, str]]) -> tuple[str, str, str, 
 
 
 def check_a(steps: int) -> tuple[bool, str]:
-    res = spawn_ranks(functools.partial(_workload_rank, steps, "gloo", "warn"), 2,
-                      timeout_s=TIMEOUT_S, start_method="spawn")
-    syncs = [s for r in res for s in r["syncs"]]
-    rows = res[0]["report"]["rows_delivered"]
-    ok = all(r["exact"] for r in res) and not syncs
-    return ok, f"{steps} steps, {rows} rows delivered exactly" if ok else (
-        f"exact={[r['exact'] for r in res]} host syncs: {syncs[:2]}")
+    details, ok = [], True
+    for kernels in kernel_sets():
+        res = spawn_ranks(functools.partial(_workload_rank, steps, "gloo", "warn", kernels), 2,
+                          timeout_s=TIMEOUT_S, start_method="spawn")
+        syncs = [s for r in res for s in r["syncs"]]
+        rows = res[0]["report"]["rows_delivered"]
+        good = all(r["exact"] for r in res) and not syncs
+        ok &= good
+        details.append(f"{kernels}: {steps} steps, {rows} rows delivered exactly" if good else
+                       f"{kernels}: exact={[r['exact'] for r in res]} host syncs: {syncs[:2]}")
+    return ok, "; ".join(details)
+
+
+def kernel_sets() -> list[str]:
+    """The device kernel sets this machine runs compiled: torch ops, and
+    Triton where it imports (TRITON_INTERPRET unset or 0 here)."""
+    return ["torch"] + (["triton"] if triton_error() is None else [])
 
 
 def check_b() -> tuple[bool, str]:
@@ -256,16 +277,19 @@ def check_b() -> tuple[bool, str]:
 
 def check_c(steps: int, gpus: int) -> tuple[bool, str]:
     P = min(4, gpus)
-    res = spawn_ranks(functools.partial(_workload_rank, steps, "nccl", "error"), P,
-                      timeout_s=TIMEOUT_S, start_method="spawn")
-    syncs = [s for r in res for s in r["syncs"]]
-    if not all(r["exact"] for r in res) or syncs:
-        return False, f"P={P}: exact={[r['exact'] for r in res]} host syncs: {syncs[:2]}"
+    for kernels in kernel_sets():
+        res = spawn_ranks(functools.partial(_workload_rank, steps, "nccl", "error", kernels), P,
+                          timeout_s=TIMEOUT_S, start_method="spawn")
+        syncs = [s for r in res for s in r["syncs"]]
+        if not all(r["exact"] for r in res) or syncs:
+            return False, (f"P={P} {kernels}: exact={[r['exact'] for r in res]} "
+                           f"host syncs: {syncs[:2]}")
     timed = spawn_ranks(functools.partial(_timed_rank, 200, "nccl"), P, timeout_s=TIMEOUT_S,
                         start_method="spawn")
     worst = {k: max(t[k] for t in timed) for k in timed[0]}
     figures = ", ".join(f"{k} {v:.0f}" for k, v in worst.items())
-    return True, f"P={P}, {steps} steps exact; median µs/step (slowest rank): {figures}"
+    return True, (f"P={P}, {steps} steps exact ({', '.join(kernel_sets())}); median µs/step "
+                  f"(slowest rank): {figures}")
 
 
 def check_d(gpus: int) -> tuple[bool, str]:
@@ -276,6 +300,16 @@ def check_d(gpus: int) -> tuple[bool, str]:
     ok = main_s < 1.5 and delivered
     return ok, (f"{backend}: main stream done {main_s:.2f} s after post() "
                 f"(peer 3 s late), frame delivered={delivered}")
+
+
+def check_e() -> tuple[bool, str]:
+    """Per step, per role, on GPU 0: host µs / device µs of each scheme
+    (ppsync.bench.gpu_steps), every token-path call under sync debug "error"."""
+    parts = []
+    for spec in (0, 3):
+        timing = in_fresh_process(time_schemes, 256, spec, 200)
+        parts.append(f"K={spec}: {format_timing(timing)}")
+    return True, "host/device µs per call, 256 rows; " + " | ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         _run(f"c) P=min(4, {gpus}) ranks over NCCL", lambda: check_c(args.steps, gpus))
         if gpus >= 2 else ("c) P ranks over NCCL", "SKIP", f"{gpus} GPU: needs >= 2", 0.0),
         _run("d) late peer, main stream not held", lambda: check_d(gpus)),
+        _run("e) per step: seeds vs device/torch vs device/triton", check_e),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"{'check':<{width}}  result  {'s':>5}  detail")

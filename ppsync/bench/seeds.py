@@ -25,12 +25,13 @@ class SeedsHostOps:
     """One role's host calls of the seeds' scheme for one fixed step."""
 
     step: FixedStep
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     table: torch.Tensor = field(init=False)  # [rows, K] int64: the draft table
 
     def __post_init__(self) -> None:
         rows, K = self.step.tokens.shape[0], self.step.tokens.shape[1] - 1
-        self.table = torch.zeros((rows, K), dtype=torch.int64)
-        self._idx = torch.from_numpy(self.step.view.idx_mapping_np)
+        self.table = torch.zeros((rows, K), dtype=torch.int64, device=self.device)
+        self._idx = torch.from_numpy(self.step.view.idx_mapping_np).to(self.device)
 
     @property
     def has_drafts(self) -> bool:
@@ -41,7 +42,7 @@ class SeedsHostOps:
         counts [2, rows], drafts gathered by idx when K > 0)."""
         s = self.step
         rows, width = s.tokens.shape
-        padded = torch.zeros((rows, width), dtype=torch.int64)  # pad to K + 1
+        padded = torch.zeros((rows, width), dtype=torch.int64, device=self.device)  # K + 1
         padded[:, :width] = s.tokens
         out: tuple[torch.Tensor, ...] = (padded, torch.stack((s.num_sampled, s.num_rejected)))
         if self.has_drafts:
@@ -51,12 +52,13 @@ class SeedsHostOps:
     def receiver_before(self) -> tuple[torch.Tensor, ...]:
         """A receiver, before its broadcasts: the empty receive buffers."""
         rows, width = self.step.tokens.shape
+        dev = self.device
         out: tuple[torch.Tensor, ...] = (
-            torch.empty((rows, width), dtype=torch.int64),
-            torch.empty((2, rows), dtype=torch.int32),
+            torch.empty((rows, width), dtype=torch.int64, device=dev),
+            torch.empty((2, rows), dtype=torch.int32, device=dev),
         )
         if self.has_drafts:
-            out += (torch.empty((rows, width - 1), dtype=torch.int64),)
+            out += (torch.empty((rows, width - 1), dtype=torch.int64, device=dev),)
         return out
 
     def receiver_after(self, bufs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,101 @@
+"""Per step, per role, on one GPU: what each scheme costs the thread that
+drives the model (host µs) and the device (µs between events), for
+``make gpu-check``'s check e.
+
+Schemes: vLLM's GPU scheme as the seeds ran it (ppsync.bench.seeds' calls on
+CUDA tensors; its broadcasts are not run, as in ppsync.bench.dispatches),
+and the device codec with each kernel set ("torch"; "triton" where Triton
+imports and runs compiled), on a real :class:`TokenPath` pair in one
+process (ppsync.bench.codec_cpu.path_pair: the frame goes over a loopback
+copy instead of a collective). Every token-path call runs under
+``torch.cuda.set_sync_debug_mode("error")``: a host sync in it fails the
+check. Steps are timed one call at a time (the device is synchronized
+between calls, outside the timed spans): per-call costs, not a pipeline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ppsync.bench.codec_cpu import path_pair
+from ppsync.bench.common import fixed_step
+from ppsync.bench.seeds import SeedsHostOps
+from ppsync.core.device_kernels import triton_error
+from ppsync.schemas.config import SyncConfig
+
+Timing = dict[str, dict[str, tuple[float, float]]]
+"""{scheme: {role: (host µs p50, device µs p50)}}."""
+
+
+Role = tuple[str, Callable[[], object], "torch.cuda.Stream | None"]
+"""(role, its call for one step, the stream its device work ends on: None
+for the current one)."""
+
+
+def _timed(roles: list[Role], iters: int) -> dict[str, tuple[float, float]]:
+    """{role: (host µs, device µs) medians}, the roles' calls interleaved
+    step by step as an engine makes them: host time on this thread; device
+    time from an event on the current stream before the call to one on the
+    role's stream after it."""
+    host: dict[str, list[float]] = {name: [] for name, _, _ in roles}
+    dev: dict[str, list[float]] = {name: [] for name, _, _ in roles}
+    main = torch.cuda.current_stream()
+    for i in range(iters + 20):
+        for name, call, stream in roles:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record(main)
+            torch.cuda.set_sync_debug_mode("error")
+            t0 = time.perf_counter_ns()
+            try:
+                call()
+                t1 = time.perf_counter_ns()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            end.record(stream if stream is not None else main)
+            torch.cuda.synchronize()
+            if i >= 20:
+                host[name].append((t1 - t0) / 1e3)
+                dev[name].append(start.elapsed_time(end) * 1e3)
+    return {name: (statistics.median(host[name]), statistics.median(dev[name]))
+            for name in host}
+
+
+def time_schemes(rows: int, spec: int, iters: int) -> Timing:
+    """Every scheme's (host µs, device µs) per role on GPU 0."""
+    dev = torch.device("cuda", 0)
+    step = fixed_step(rows, spec).to(dev)
+    seeds = SeedsHostOps(step, dev)
+    out: Timing = {"vllm gpu (seeds)": _timed([
+        ("last rank", seeds.last_before, None),
+        ("receiver", lambda: seeds.receiver_after(seeds.receiver_before()), None)], iters)}
+    sets = ["torch"] + (["triton"] if triton_error() is None else [])
+    for kernels in sets:
+        config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
+                                  timeout_s=30.0, codec="device",
+                                  device_kernels=kernels)
+        with path_pair(config, dev) as (last, receiver):
+            def publish() -> object:
+                return last.publish(step.view, step.tokens, step.num_sampled,
+                                    step.num_rejected, step.drafts)
+
+            def take_post() -> object:
+                receiver.consume()
+                return receiver.post(step.view)
+
+            last_side, recv_side = (getattr(p.codec, "side", None) for p in (last, receiver))
+            out[f"ppsync device/{kernels}"] = _timed([
+                ("last rank", publish, last_side), ("receiver", take_post, recv_side)], iters)
+    return out
+
+
+def format_timing(timing: Timing) -> str:
+    """One line per scheme: host / device µs per role."""
+    return "; ".join(f"{scheme}: " + ", ".join(f"{role} {h:.0f}/{d:.0f}"
+                                               for role, (h, d) in roles.items())
+                     for scheme, roles in timing.items())
