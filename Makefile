@@ -68,8 +68,9 @@ compose-test: wheelhouse
 # On a GPU machine, with a CUDA build of torch in $(VENV) (create the venv and
 # `pip install torch` first: a venv that has a torch keeps it). Checks the device
 # path (README "GPU check"); exits 2 where there is no CUDA. Bounded at 5 minutes.
+# Triton's kernels compiled for the GPU, not its interpreter (the tests' default)
 gpu-check: $(STAMP)
-	timeout 300 $(PY) -m ppsync.bench.gpu_check
+	TRITON_INTERPRET=0 timeout 300 $(PY) -m ppsync.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

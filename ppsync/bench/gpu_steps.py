@@ -36,49 +36,54 @@ Role = tuple[str, Callable[[], object], "torch.cuda.Stream | None"]
 for the current one)."""
 
 
-def _timed(roles: list[Role], iters: int) -> dict[str, tuple[float, float]]:
+def _timed(roles: list[Role], iters: int, device: torch.device
+           ) -> dict[str, tuple[float, float]]:
     """{role: (host µs, device µs) medians}, the roles' calls interleaved
     step by step as an engine makes them: host time on this thread; device
     time from an event on the current stream before the call to one on the
-    role's stream after it."""
+    role's stream after it (CUDA; a CPU dry run reports 0)."""
+    cuda = device.type == "cuda"
     host: dict[str, list[float]] = {name: [] for name, _, _ in roles}
     dev: dict[str, list[float]] = {name: [] for name, _, _ in roles}
-    main = torch.cuda.current_stream()
     for i in range(iters + 20):
         for name, call, stream in roles:
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record(main)
-            torch.cuda.set_sync_debug_mode("error")
+            if cuda:
+                torch.cuda.synchronize(device)
+                main = torch.cuda.current_stream(device)
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record(main)
+                torch.cuda.set_sync_debug_mode("error")
             t0 = time.perf_counter_ns()
             try:
                 call()
                 t1 = time.perf_counter_ns()
             finally:
-                torch.cuda.set_sync_debug_mode(0)
-            end.record(stream if stream is not None else main)
-            torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+            if cuda:
+                end.record(stream if stream is not None else main)
+                torch.cuda.synchronize(device)
             if i >= 20:
                 host[name].append((t1 - t0) / 1e3)
-                dev[name].append(start.elapsed_time(end) * 1e3)
+                dev[name].append(start.elapsed_time(end) * 1e3 if cuda else 0.0)
     return {name: (statistics.median(host[name]), statistics.median(dev[name]))
             for name in host}
 
 
-def time_schemes(rows: int, spec: int, iters: int) -> Timing:
-    """Every scheme's (host µs, device µs) per role on GPU 0."""
-    dev = torch.device("cuda", 0)
+def time_schemes(rows: int, spec: int, iters: int, device: str = "cuda:0") -> Timing:
+    """Every scheme's (host µs, device µs) per role on ``device`` (GPU 0;
+    "cpu": the tests' dry run, Triton in its interpreter where it imports)."""
+    dev = torch.device(device)
     step = fixed_step(rows, spec).to(dev)
     seeds = SeedsHostOps(step, dev)
     out: Timing = {"vllm gpu (seeds)": _timed([
         ("last rank", seeds.last_before, None),
-        ("receiver", lambda: seeds.receiver_after(seeds.receiver_before()), None)], iters)}
+        ("receiver", lambda: seeds.receiver_after(seeds.receiver_before()), None)], iters, dev)}
     sets = ["torch"] + (["triton"] if triton_error() is None else [])
     for kernels in sets:
         config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
-                                  timeout_s=30.0, codec="device",
-                                  device_kernels=kernels)
+                                  timeout_s=30.0, codec="device", device_kernels=kernels)
         with path_pair(config, dev) as (last, receiver):
             def publish() -> object:
                 return last.publish(step.view, step.tokens, step.num_sampled,
@@ -90,7 +95,8 @@ def time_schemes(rows: int, spec: int, iters: int) -> Timing:
 
             last_side, recv_side = (getattr(p.codec, "side", None) for p in (last, receiver))
             out[f"ppsync device/{kernels}"] = _timed([
-                ("last rank", publish, last_side), ("receiver", take_post, recv_side)], iters)
+                ("last rank", publish, last_side), ("receiver", take_post, recv_side)],
+                iters, dev)
     return out
 
 

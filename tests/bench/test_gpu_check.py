@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from ppsync.bench import gpu_check
+from ppsync.bench.codec_cpu import in_fresh_process
+from ppsync.bench.gpu_steps import format_timing, time_schemes
+from ppsync.core.device_kernels import triton_error
 from ppsync.harness.launcher import spawn_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -21,11 +24,24 @@ def test_without_cuda_it_exits_2_and_says_why(capsys: pytest.CaptureFixture[str]
     assert "gpu-check: not run: no CUDA device" in capsys.readouterr().err
 
 
-def test_dry_run_workload_is_exact_on_two_ranks() -> None:
-    res = spawn_ranks(functools.partial(gpu_check._workload_rank, 120, "gloo", "warn"), 2,
-                      timeout_s=gpu_check.TIMEOUT_S)
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_dry_run_workload_is_exact_on_two_ranks(kernels: str) -> None:
+    if kernels == "triton" and triton_error() is not None:
+        pytest.skip(f"Triton cannot be loaded ({triton_error()}): install ppsync[triton]")
+    res = spawn_ranks(functools.partial(gpu_check._workload_rank, 60, "gloo", "warn", kernels),
+                      2, timeout_s=gpu_check.TIMEOUT_S)
     assert [r["exact"] for r in res] == [True, True]
     assert res[0]["report"]["rows_delivered"] > 0
+
+
+def test_dry_run_per_step_timing_names_every_scheme() -> None:
+    timing = in_fresh_process(time_schemes, 8, 2, 3, "cpu")
+    sets = ["torch"] + (["triton"] if triton_error() is None else [])
+    assert list(timing) == ["vllm gpu (seeds)", *(f"ppsync device/{k}" for k in sets)]
+    for roles in timing.values():
+        assert set(roles) == {"last rank", "receiver"}
+        assert all(host > 0 and dev == 0 for host, dev in roles.values())
+    assert "ppsync device/torch: last rank" in format_timing(timing)
 
 
 def test_dry_run_one_rank_group_defers_the_bad_value() -> None:
