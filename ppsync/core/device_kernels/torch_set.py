@@ -52,6 +52,9 @@ class TorchKernels:
         head_mask = torch.full((HEADER_WORDS,), -1, dtype=torch.int64)
         head_mask[[_H_FLAGS, _H_CSUM]] = 0  # the header words a receiver does not compare
         self._head_mask = head_mask.to(dev)
+        flag_bad = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        flag_bad[_H_FLAGS] = FLAG_BAD_VALUES
+        self._flag_bad = flag_bad.to(dev)
         self._neg1 = torch.full((lay.max_num_reqs, max(lay.sample_width, lay.num_drafts)), -1,
                                 dtype=torch.int64, device=dev)
 
@@ -69,29 +72,36 @@ class TorchKernels:
         verdict: torch.Tensor = (bad * self._value_bits).sum()
         return verdict
 
-    def _checksum(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        """[] int64: the host codec's weighted sum over the used prefix
-        (the checksum word is weighted 0); wraps."""
+    def _weighted(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """The used prefix times the host codec's weights (the checksum word
+        weighted 0): its sum, wrapping, is the checksum."""
         end = HEADER_WORDS + n * self.W
-        return (buf[:end] * self.frame_w[:end]).sum()
+        return buf[:end] * self.frame_w[:end]
+
+    def _checksum(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """[] int64: the frame's checksum as its words are now."""
+        return self._weighted(buf, n).sum()
 
     def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, tokens: torch.Tensor,
              num_sampled: torch.Tensor, num_rejected: torch.Tensor,
              drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
         L, K, w = self.L, self.K, tokens.shape[1]
         rows = self._rows(buf, n)
-        rows[:, :w] = tokens
+        # every column of the rows in one write: [tokens | -1 | counts | drafts | facts]
+        parts = [tokens]
         if w < L:
-            rows[:, w:L] = self._neg1[:n, : L - w]
-        counts = rows[:, L : L + 2]
-        counts.copy_(torch.stack((num_sampled, num_rejected), 1))
+            parts.append(self._neg1[:n, : L - w])
+        counts = torch.stack((num_sampled, num_rejected), 1)
+        parts.append(counts)
         if K:
-            rows[:, L + 2 : L + 2 + K] = self._neg1[:n, :K] if drafts is None else drafts
-        rows[:, L + 2 + K :] = self._facts(stage, n)
-        buf[:HEADER_WORDS] = stage[:HEADER_WORDS]
+            parts.append(self._neg1[:n, :K] if drafts is None else drafts)
+        parts.append(self._facts(stage, n))
+        torch.cat(parts, 1, out=rows)
         v = self._bad_values(counts, stage)
-        buf[_H_FLAGS] |= (v != 0) * FLAG_BAD_VALUES  # the verdict travels, under the checksum
-        buf[_H_CSUM] = self._checksum(buf, n)
+        # the header, with FLAG_BAD_VALUES when a count is out of range: the
+        # verdict travels, under the checksum
+        torch.bitwise_or(stage[:HEADER_WORDS], (v != 0) * self._flag_bad, out=buf[:HEADER_WORDS])
+        torch.sum(self._weighted(buf, n), 0, keepdim=True, out=buf[_H_CSUM : _H_CSUM + 1])
         verdict.copy_(v)
 
     def release(self, buf: torch.Tensor, stage: torch.Tensor, n: int,
