@@ -129,8 +129,42 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
+    vc = sub.add_parser("vllm-check", help="run the installed vLLM twice at "
+                        "pipeline_parallel_size 2 on a small dummy model, with vLLM's own "
+                        "PPHandler and with ppsync's plugin: the handler each worker built, "
+                        "whether the tokens are identical, the time per generate and receive "
+                        "(0 pass, 1 fail, 2 no vLLM here: `make vllm-check`)")
+    vc.add_argument("--pp-size", type=_at_least(2), default=2, help="pipeline stages (default 2)")
+    vc.add_argument("--prompts", type=_positive, default=4, help="prompts (default 4)")
+    vc.add_argument("--max-tokens", type=_positive, default=12,
+                    help="new tokens per prompt (default 12)")
+    vc.add_argument("--repeat", type=_positive, default=2,
+                    help="generate calls per run, each on every prompt (default 2)")
+    vc.add_argument("--seed", type=_non_negative, default=0,
+                    help="seed of the prompts and of the dummy weights (default 0)")
+    vc.add_argument("--hidden", type=_at_least(64), default=128,
+                    help="the model's hidden size, a multiple of 32 (default 128)")
+    vc.add_argument("--layers-per-stage", type=_positive, default=2,
+                    help="decoder layers per pipeline stage (default 2)")
+    vc.add_argument("--timeout", type=_seconds, default=900.0, metavar="S",
+                    help="bound on each vLLM run (default 900 s)")
+    vc.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
+                    help="where the model config, vLLM's logs and the records go "
+                    "(default: a new temporary directory, kept)")
     add_debug_commands(sub)
     return p
+
+
+def _vllm_check(args: argparse.Namespace) -> int:
+    from ppsync.harness.vllm_check import VllmCheckOptions, run_check
+
+    if args.hidden % 32:
+        raise ConfigError(f"--hidden = {args.hidden} must be a multiple of 32 (the head size)")
+    return run_check(VllmCheckOptions(
+        pp_size=args.pp_size, prompts=args.prompts, max_tokens=args.max_tokens,
+        repeat=args.repeat, seed=args.seed, hidden=args.hidden,
+        layers_per_stage=args.layers_per_stage, timeout_s=args.timeout,
+        work_dir=args.work_dir))
 
 
 def _bench_shape(text: str) -> tuple[int, int]:
@@ -267,6 +301,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _run(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "vllm-check":
+            return _vllm_check(args)
         if args.command in ("dump", "schema"):
             return int(args.run(args))
     except ConfigError as e:

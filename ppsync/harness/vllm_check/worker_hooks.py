@@ -1,0 +1,190 @@
+"""What ``ppsync vllm-check`` installs in every process of the vLLM it runs.
+
+A ``sitecustomize`` module that the check puts first on ``PYTHONPATH`` for
+that run (and only that run) loads this file by its path, before vLLM is
+imported, in the engine process and in each worker vLLM spawns; so this
+module imports nothing from ppsync at the top (importing the package would
+import torch at interpreter start-up) and nothing from vLLM until vLLM
+itself loads the module a hook is for. Each part is switched on by a
+variable the check sets:
+
+- ``PPSYNC_VLLM_CHECK_STANDIN=1``: registers a stand-in ``cpu`` backend in
+  Triton's backend table. vLLM's CPU build turns Triton off when that table
+  has no ``cpu`` backend (the stock Triton wheel has none), and Model Runner
+  V2's kernels are Triton kernels; with the stand-in present they are built,
+  and ``TRITON_INTERPRET=1`` (set by the check) runs them in Triton's
+  interpreter on CPU tensors. The stand-in's driver reports itself inactive,
+  so Triton never picks it to compile for.
+- ``PPSYNC_VLLM_CHECK_RECORD=DIR``: when vLLM's GPU model runner (which its
+  CPU runner subclasses) has been built, writes which handler class it built
+  to ``DIR/worker-<pid>.jsonl``, then one line per ``receive`` and
+  ``broadcast`` call with its duration.
+- ``PPSYNC_VLLM_CHECK_SEED=N``: after vLLM's dummy loader filled the weights
+  (every tensor from the same seed, so all look alike and the tokens
+  repeat), refills each floating-point tensor from a generator seeded with
+  ``N`` and the tensor's name: the same weights in every run, different
+  from one tensor to the next. It runs before vLLM processes the loaded
+  weights (the CPU build repacks linear layers there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ENV_STANDIN = "PPSYNC_VLLM_CHECK_STANDIN"
+ENV_RECORD = "PPSYNC_VLLM_CHECK_RECORD"
+ENV_SEED = "PPSYNC_VLLM_CHECK_SEED"
+GPU_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
+PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
+TIMED_CALLS = ("receive", "broadcast")
+
+
+class _StandInDriver:
+    """Tells vLLM a CPU backend exists; never active, so never chosen."""
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False
+
+
+class _StandInCompiler:
+    """Never used: kernels run in Triton's interpreter."""
+
+
+def register_triton_standin() -> None:
+    """Put the stand-in ``cpu`` backend in Triton's table (no-op if one is there)."""
+    import triton.backends as backends
+
+    backends.backends.setdefault("cpu", backends.Backend(
+        compiler=_StandInCompiler, driver=_StandInDriver))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after the named module is executed."""
+
+    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader: Any = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        loader.exec_module = exec_and_patch  # this spec's own loader object
+        return spec
+
+
+def _recorder(record_dir: Path) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        runner_cls = module.GPUModelRunner
+        init = runner_cls.__init__
+
+        def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            _record_handler(self, record_dir)
+
+        runner_cls.__init__ = recording_init
+
+    return patch
+
+
+def _record_handler(runner: Any, record_dir: Path) -> None:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    handler = getattr(runner, "pp_handler", None)
+    group = get_pp_group()
+    cls = type(handler)
+    ppsync_base = importlib.import_module(PPSYNC_HANDLER).PPHandler
+    out = (record_dir / f"worker-{os.getpid()}.jsonl").open("a", buffering=1)
+    out.write(json.dumps({
+        "event": "handler", "pid": os.getpid(), "pp_rank": group.rank_in_group,
+        "pp_size": group.world_size, "runner": type(runner).__qualname__,
+        "handler": None if handler is None else f"{cls.__module__}.{cls.__qualname__}",
+        "ppsync": handler is not None and issubclass(cls, ppsync_base)}) + "\n")
+    if handler is None:
+        return
+    for name in TIMED_CALLS:
+        setattr(handler, name, _timed(name, getattr(handler, name), out))
+
+
+def _timed(name: str, call: Callable[..., Any], out: Any) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = call(*args, **kwargs)
+        seconds = time.perf_counter() - t0
+        out.write(f'{{"event": "{name}", "s": {seconds!r}}}\n')
+        return result
+
+    return timed
+
+
+def _reseeder(seed: int) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        loader_cls = module.DummyModelLoader
+        load_weights = loader_cls.load_weights
+
+        def load_and_reseed(self: Any, model: Any, model_config: Any) -> None:
+            load_weights(self, model, model_config)
+            reseed_weights(model, seed)
+
+        loader_cls.load_weights = load_and_reseed
+
+    return patch
+
+
+def reseed_weights(model: Any, seed: int) -> None:
+    """Refill every floating-point parameter of ``model`` from a generator
+    seeded with ``seed`` and the parameter's name: 1-D tensors (norm
+    weights) near 1, the others uniform with unit-variance outputs
+    (bound sqrt(3 / fan_in))."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not torch.is_floating_point(param) or param.device.type == "meta":
+                continue
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            u = torch.rand(param.shape, generator=gen, dtype=torch.float32) * 2 - 1
+            if param.dim() == 1:
+                values = 1 + 0.1 * u
+            else:
+                values = u * (3.0 / param.shape[-1]) ** 0.5
+            param.copy_(values.to(param.dtype))
+
+
+def install_from_env() -> None:
+    """Install what the check's variables ask for; nothing when none is set."""
+    if os.environ.get(ENV_STANDIN) == "1":
+        register_triton_standin()
+    patches: dict[str, Callable[[ModuleType], None]] = {}
+    record = os.environ.get(ENV_RECORD)
+    if record:
+        patches[GPU_MODEL_RUNNER] = _recorder(Path(record))
+    seed = os.environ.get(ENV_SEED)
+    if seed:
+        patches[DUMMY_LOADER] = _reseeder(int(seed))
+    if patches:
+        sys.meta_path.insert(0, _AfterImport(patches))
