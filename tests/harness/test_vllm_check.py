@@ -137,18 +137,21 @@ def test_prompts_and_config_follow_options() -> None:
 
 
 def test_reseed_is_per_tensor_and_repeatable() -> None:
+    def model() -> tuple[torch.nn.Module, torch.nn.Linear, torch.nn.Linear, torch.nn.LayerNorm]:
+        first, second = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+        norm = torch.nn.LayerNorm(8)
+        return torch.nn.Sequential(first, second, norm), first, second, norm
+
     torch.manual_seed(0)
-    a = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False),
-                            torch.nn.LayerNorm(8))
-    b = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False),
-                            torch.nn.LayerNorm(8))
+    a, first, second, norm = model()
+    b = model()[0]
     worker_hooks.reseed_weights(a, 3)
     worker_hooks.reseed_weights(b, 3)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
-    assert not torch.equal(a[0].weight, a[1].weight)
-    assert a[0].weight.abs().max() <= (3 / 8) ** 0.5
-    assert (a[2].weight - 1).abs().max() <= 0.1
+    assert not torch.equal(first.weight, second.weight)
+    assert first.weight.abs().max() <= (3 / 8) ** 0.5
+    assert (norm.weight - 1).abs().max() <= 0.1
 
 
 def test_after_import_hook_patches_the_named_module(tmp_path: Path,
@@ -157,7 +160,7 @@ def test_after_import_hook_patches_the_named_module(tmp_path: Path,
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def patch(module: ModuleType) -> None:
-        module.VALUE += 41
+        module.VALUE = module.VALUE + 41  # type: ignore[attr-defined]
 
     hook = worker_hooks._AfterImport({"vc_hooked_mod": patch})
     monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path])
