@@ -209,7 +209,7 @@ def run_check(opts: VllmCheckOptions) -> int:
     version = installed_vllm_version()
     header = [
         f"ppsync vllm-check: vLLM {version}, Model Runner V2, pipeline_parallel_size="
-        f"{opts.pp_size}, on {'CPU' if cpu else 'CUDA'}",
+        f"{opts.pp_size}, {'on CPU (no CUDA device)' if cpu else 'on CUDA'}",
         f"  model: dummy LlamaForCausalLM (hidden {config['hidden_size']}, "
         f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}, "
         f"{spec['dtype']}), weights refilled per tensor from seed {opts.seed}",
