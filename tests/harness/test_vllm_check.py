@@ -120,11 +120,14 @@ def test_read_worker_records(tmp_path: Path) -> None:
     head = {"event": "handler", "pid": 7, "pp_rank": 1, "pp_size": 2, "runner": "R",
             "handler": OURS, "ppsync": True}
     (tmp_path / "worker-7.jsonl").write_text(
-        json.dumps(head) + '\n{"event": "broadcast", "s": 0.5}\n{"event": "rece')
+        json.dumps(head) + '\n{"event": "broadcast", "s": 0.5}\n'
+        '{"event": "receive", "s": 0.25, "returned": true}\n'
+        '{"event": "receive", "s": 0.75, "returned": false}\n{"event": "rece')
     (tmp_path / "worker-8.jsonl").write_text('{"event": "receive", "s": 1.0}\n')  # no head
     (w,) = read_worker_records(tmp_path)
     assert (w.pid, w.pp_rank, w.handler, w.ppsync, w.broadcast_s, w.receive_s) == (
-        7, 1, OURS, True, (0.5,), ())
+        7, 1, OURS, True, (0.5,), (0.25, 0.75))
+    assert w.receive_all_rows == 1
 
 
 def test_prompts_and_config_follow_options() -> None:

@@ -34,6 +34,7 @@ class WorkerRecord:
     ppsync: bool  # the class is a subclass of ppsync.compat.vllm.handler.PPHandler
     receive_s: tuple[float, ...] = ()  # each receive call, seconds
     broadcast_s: tuple[float, ...] = ()  # each broadcast call, seconds
+    receive_all_rows: int = 0  # receive calls that returned True (every row needs a sample)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
     for path in sorted(record_dir.glob("worker-*.jsonl")):
         head: dict[str, object] | None = None
         calls: dict[str, list[float]] = {"receive": [], "broadcast": []}
+        all_rows = 0
         for line in path.read_text().splitlines():
             try:
                 event = json.loads(line)
@@ -66,6 +68,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
                 head = event
             elif event.get("event") in calls:
                 calls[event["event"]].append(float(event["s"]))
+                all_rows += event.get("returned") is True
         if head is None:
             continue
         handler = head.get("handler")
@@ -73,7 +76,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             pid=int(str(head["pid"])), pp_rank=int(str(head["pp_rank"])),
             pp_size=int(str(head["pp_size"])), runner=str(head.get("runner", "?")),
             handler=None if handler is None else str(handler), ppsync=bool(head.get("ppsync")),
-            receive_s=tuple(calls["receive"]), broadcast_s=tuple(calls["broadcast"])))
+            receive_s=tuple(calls["receive"]), broadcast_s=tuple(calls["broadcast"]),
+            receive_all_rows=all_rows))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
 
 
@@ -170,7 +174,9 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
         gen = ", ".join(f"{s:.2f} s" for s in run.generate_s) or "-"
         lines.append(f"  {run.label}:")
         lines.append(f"    generate: {gen}")
-        lines.append(f"    PPHandler.receive (non-last ranks): {_ms(receive)}")
+        all_rows = sum(w.receive_all_rows for w in run.workers)
+        lines.append(f"    PPHandler.receive (non-last ranks): {_ms(receive)}; returned True "
+                     f"(every row needs a sample) in {all_rows}")
         lines.append(f"    PPHandler.broadcast (last rank): {_ms(broadcast)}")
     for run in (base, ours):
         if run.log is not None:

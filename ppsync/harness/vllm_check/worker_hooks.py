@@ -18,7 +18,7 @@ variable the check sets:
 - ``PPSYNC_VLLM_CHECK_RECORD=DIR``: when vLLM's GPU model runner (which its
   CPU runner subclasses) has been built, writes which handler class it built
   to ``DIR/worker-<pid>.jsonl``, then one line per ``receive`` and
-  ``broadcast`` call with its duration.
+  ``broadcast`` call with its duration (and what ``receive`` returned).
 - ``PPSYNC_VLLM_CHECK_SEED=N``: after vLLM's dummy loader filled the weights
   (every tensor from the same seed, so all look alike and the tokens
   repeat), refills each floating-point tensor from a generator seeded with
@@ -134,7 +134,8 @@ def _timed(name: str, call: Callable[..., Any], out: Any) -> Callable[..., Any]:
         t0 = time.perf_counter()
         result = call(*args, **kwargs)
         seconds = time.perf_counter() - t0
-        out.write(f'{{"event": "{name}", "s": {seconds!r}}}\n')
+        returned = f', "returned": {json.dumps(result)}' if isinstance(result, bool) else ""
+        out.write(f'{{"event": "{name}", "s": {seconds!r}{returned}}}\n')
         return result
 
     return timed
