@@ -7,8 +7,9 @@ default): first with vLLM's own ``PPHandler``, then with ppsync's plugin
 switched on (``PPSYNC_VLLM=1``). Each run is a child process
 (ppsync.harness.vllm_check.engine) whose vLLM processes load the check's
 worker hooks (ppsync.harness.vllm_check.worker_hooks) through a
-``sitecustomize`` on ``PYTHONPATH``; the hooks record which handler class
-every worker built and time its calls. The report
+``sitecustomize`` on ``PYTHONPATH`` (for those runs it stands before any
+other ``sitecustomize``); the hooks record which handler class every worker
+built and time its calls. The report
 (ppsync.harness.vllm_check.report) says which handler each worker built,
 whether the tokens are identical, and the time per ``generate`` and per
 ``receive``.
