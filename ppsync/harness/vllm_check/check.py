@@ -227,6 +227,10 @@ def run_check(opts: VllmCheckOptions) -> int:
     ]
     if standin:
         header.append(f"  note: {STANDIN_NOTE}")
+    plugins = env.get("VLLM_PLUGINS")
+    if plugins is not None and "ppsync" not in [p.strip() for p in plugins.split(",")]:
+        header.append(f"  warning: VLLM_PLUGINS={plugins!r} does not name ppsync: vLLM will not "
+                      "load ppsync's plugin, so the second run keeps vLLM's own handler")
     header.append(f"  timing: {TIMING_NOTE}")
     if standin:
         header.append(f"  timing: {INTERPRETER_NOTE}")
