@@ -70,8 +70,9 @@ STANDIN_NOTE = ("vLLM's Model Runner V2 needs Triton, which has no CPU backend h
                 "(TRITON_INTERPRET=1)")
 TIMING_NOTE = ("a receive's time is what the engine waits in that call: vLLM's own blocks "
                "until the last rank's tokens arrive where its side stream is a stand-in (vLLM's "
-               "CPU build: gloo broadcasts in the call), ppsync's posts the receive and returns; "
-               "generate is the whole engine call")
+               "CPU build: gloo broadcasts in the call), ppsync's posts the receive and returns "
+               "and waits, if at all, in get_prev_sampled_outputs pp_size steps later (both "
+               "shown); generate is the whole engine call")
 INTERPRETER_NOTE = ("times under Triton's interpreter: vLLM's Triton kernels run interpreted in "
                     "both runs, so the generate times say nothing about a GPU")
 LOG_TAIL = 40

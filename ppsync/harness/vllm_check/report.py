@@ -4,7 +4,8 @@ A run is one vLLM engine at pipeline_parallel_size P: the handler class each
 of its P workers built (read from the records the check's worker hooks
 write, ppsync.harness.vllm_check.worker_hooks), the tokens of every
 ``generate`` call (``[call][prompt] -> token ids``), and the durations of
-each ``generate`` and of each handler ``receive`` / ``broadcast`` call. The
+each ``generate`` and of each handler ``receive`` / ``broadcast`` /
+``get_prev_sampled_outputs`` call. The
 check passes when the run with vLLM's own handler built vLLM's in every
 worker, the run with ppsync's plugin built ppsync's in every worker, both
 ran to the end, and their tokens are identical.
@@ -33,6 +34,7 @@ class WorkerRecord:
     handler: str | None  # module.qualname of the handler class it built; None: none built
     ppsync: bool  # the class is a subclass of ppsync.compat.vllm.handler.PPHandler
     receive_s: tuple[float, ...] = ()  # each receive call, seconds
+    prev_s: tuple[float, ...] = ()  # each get_prev_sampled_outputs call, seconds
     broadcast_s: tuple[float, ...] = ()  # each broadcast call, seconds
     receive_all_rows: int = 0  # receive calls that returned True (every row needs a sample)
 
@@ -57,7 +59,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
     workers = []
     for path in sorted(record_dir.glob("worker-*.jsonl")):
         head: dict[str, object] | None = None
-        calls: dict[str, list[float]] = {"receive": [], "broadcast": []}
+        calls: dict[str, list[float]] = {"receive": [], "broadcast": [],
+                                         "get_prev_sampled_outputs": []}
         all_rows = 0
         for line in path.read_text().splitlines():
             try:
@@ -77,7 +80,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             pp_size=int(str(head["pp_size"])), runner=str(head.get("runner", "?")),
             handler=None if handler is None else str(handler), ppsync=bool(head.get("ppsync")),
             receive_s=tuple(calls["receive"]), broadcast_s=tuple(calls["broadcast"]),
-            receive_all_rows=all_rows))
+            prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
 
 
@@ -178,6 +181,8 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
         lines.append(f"    PPHandler.receive (non-last ranks): {_ms(receive)}; returned True "
                      f"(every row needs a sample) in {all_rows}")
         lines.append(f"    PPHandler.broadcast (last rank): {_ms(broadcast)}")
+        prev = [s for w in run.workers if w.pp_rank < w.pp_size - 1 for s in w.prev_s]
+        lines.append(f"    PPHandler.get_prev_sampled_outputs (non-last ranks): {_ms(prev)}")
     for run in (base, ours):
         if run.log is not None:
             lines.append(f"  vLLM's output of {run.label}: {run.log}")

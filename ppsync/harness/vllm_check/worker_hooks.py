@@ -17,8 +17,9 @@ variable the check sets:
   so Triton never picks it to compile for.
 - ``PPSYNC_VLLM_CHECK_RECORD=DIR``: when vLLM's GPU model runner (which its
   CPU runner subclasses) has been built, writes which handler class it built
-  to ``DIR/worker-<pid>.jsonl``, then one line per ``receive`` and
-  ``broadcast`` call with its duration (and what ``receive`` returned).
+  to ``DIR/worker-<pid>.jsonl``, then one line per
+  ``get_prev_sampled_outputs``, ``receive`` and ``broadcast`` call with its
+  duration (and what ``receive`` returned).
 - ``PPSYNC_VLLM_CHECK_SEED=N``: after vLLM's dummy loader filled the weights
   (every tensor from the same seed, so all look alike and the tokens
   repeat), refills each floating-point tensor from a generator seeded with
@@ -48,7 +49,7 @@ ENV_SEED = "PPSYNC_VLLM_CHECK_SEED"
 GPU_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
-TIMED_CALLS = ("receive", "broadcast")
+TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast")
 
 
 class _StandInDriver:
