@@ -36,7 +36,8 @@ def _workers(ppsync: bool, handler: str, ranks: tuple[int, ...] = (0, 1)) -> tup
                               handler=handler, ppsync=ppsync,
                               receive_s=(0.001, 0.003) if r == 0 else (),
                               broadcast_s=(0.002,) if r == 1 else (),
-                              prev_s=(0.004,)) for r in ranks)
+                              prev_s=(0.004,), receive_rows=(4, 2, 4) if r == 0 else ())
+                 for r in ranks)
 
 
 def _runs(ours_workers: tuple[WorkerRecord, ...] | None = None,
@@ -82,6 +83,7 @@ def test_pass_report() -> None:
     assert f"ppsync's plugin: PP rank 0/2 (pid 100, CPUModelRunner): {OURS} [ppsync]" in text
     assert "PPHandler.receive (non-last ranks): 2 calls: mean 2.000 ms, median 2.000 ms" in text
     assert "generate: 1.25 s" in text
+    assert "in 0; rows per call: 4 x2, 2 x1" in text
     assert "get_prev_sampled_outputs (non-last ranks): 1 calls: mean 4.000 ms" in text
     assert text.splitlines()[-1].startswith("PASS: ppsync's handler was built in all 2 workers")
 
@@ -123,14 +125,14 @@ def test_read_worker_records(tmp_path: Path) -> None:
             "handler": OURS, "ppsync": True}
     (tmp_path / "worker-7.jsonl").write_text(
         json.dumps(head) + '\n{"event": "broadcast", "s": 0.5}\n'
-        '{"event": "receive", "s": 0.25, "returned": true}\n'
+        '{"event": "receive", "s": 0.25, "returned": true, "rows": 3}\n'
         '{"event": "receive", "s": 0.75, "returned": false}\n'
         '{"event": "get_prev_sampled_outputs", "s": 0.125}\n{"event": "rece')
     (tmp_path / "worker-8.jsonl").write_text('{"event": "receive", "s": 1.0}\n')  # no head
     (w,) = read_worker_records(tmp_path)
     assert (w.pid, w.pp_rank, w.handler, w.ppsync, w.broadcast_s, w.receive_s) == (
         7, 1, OURS, True, (0.5,), (0.25, 0.75))
-    assert (w.receive_all_rows, w.prev_s) == (1, (0.125,))
+    assert (w.receive_all_rows, w.prev_s, w.receive_rows) == (1, (0.125,), (3,))
 
 
 def test_prompts_and_config_follow_options() -> None:

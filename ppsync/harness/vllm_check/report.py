@@ -37,6 +37,7 @@ class WorkerRecord:
     prev_s: tuple[float, ...] = ()  # each get_prev_sampled_outputs call, seconds
     broadcast_s: tuple[float, ...] = ()  # each broadcast call, seconds
     receive_all_rows: int = 0  # receive calls that returned True (every row needs a sample)
+    receive_rows: tuple[int, ...] = ()  # each receive call's batch rows (num_reqs)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
         calls: dict[str, list[float]] = {"receive": [], "broadcast": [],
                                          "get_prev_sampled_outputs": []}
         all_rows = 0
+        rows: list[int] = []
         for line in path.read_text().splitlines():
             try:
                 event = json.loads(line)
@@ -72,6 +74,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             elif event.get("event") in calls:
                 calls[event["event"]].append(float(event["s"]))
                 all_rows += event.get("returned") is True
+                if event["event"] == "receive" and isinstance(event.get("rows"), int):
+                    rows.append(event["rows"])
         if head is None:
             continue
         handler = head.get("handler")
@@ -80,7 +84,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             pp_size=int(str(head["pp_size"])), runner=str(head.get("runner", "?")),
             handler=None if handler is None else str(handler), ppsync=bool(head.get("ppsync")),
             receive_s=tuple(calls["receive"]), broadcast_s=tuple(calls["broadcast"]),
-            prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows))
+            prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows,
+            receive_rows=tuple(rows)))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
 
 
@@ -140,6 +145,11 @@ def _ms(values: Sequence[float]) -> str:
             f"{statistics.median(ms):.3f} ms, max {max(ms):.3f} ms")
 
 
+def _counts(values: Sequence[int]) -> str:
+    """``{4: 20, 2: 6}`` as ``4 x20, 2 x6`` (most rows first)."""
+    return ", ".join(f"{v} x{values.count(v)}" for v in sorted(set(values), reverse=True))
+
+
 def format_report(base: RunResult, ours: RunResult, pp_size: int,
                   header: Sequence[str] = ()) -> str:
     """The check's printed report: header lines, the handler each worker
@@ -178,8 +188,10 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
         lines.append(f"  {run.label}:")
         lines.append(f"    generate: {gen}")
         all_rows = sum(w.receive_all_rows for w in run.workers)
+        rows = [r for w in run.workers for r in w.receive_rows]
+        per_step = f"; rows per call: {_counts(rows)}" if rows else ""
         lines.append(f"    PPHandler.receive (non-last ranks): {_ms(receive)}; returned True "
-                     f"(every row needs a sample) in {all_rows}")
+                     f"(every row needs a sample) in {all_rows}{per_step}")
         lines.append(f"    PPHandler.broadcast (last rank): {_ms(broadcast)}")
         prev = [s for w in run.workers if w.pp_rank < w.pp_size - 1 for s in w.prev_s]
         lines.append(f"    PPHandler.get_prev_sampled_outputs (non-last ranks): {_ms(prev)}")

@@ -19,7 +19,7 @@ variable the check sets:
   CPU runner subclasses) has been built, writes which handler class it built
   to ``DIR/worker-<pid>.jsonl``, then one line per
   ``get_prev_sampled_outputs``, ``receive`` and ``broadcast`` call with its
-  duration (and what ``receive`` returned).
+  duration (and, for ``receive``, what it returned and the batch's rows).
 - ``PPSYNC_VLLM_CHECK_SEED=N``: after vLLM's dummy loader filled the weights
   (every tensor from the same seed, so all look alike and the tokens
   repeat), refills each floating-point tensor from a generator seeded with
@@ -136,6 +136,9 @@ def _timed(name: str, call: Callable[..., Any], out: Any) -> Callable[..., Any]:
         result = call(*args, **kwargs)
         seconds = time.perf_counter() - t0
         returned = f', "returned": {json.dumps(result)}' if isinstance(result, bool) else ""
+        rows = getattr(args[0], "num_reqs", None) if args else None  # receive's input_batch
+        if isinstance(rows, int):
+            returned += f', "rows": {rows}'
         out.write(f'{{"event": "{name}", "s": {seconds!r}{returned}}}\n')
         return result
 
