@@ -121,4 +121,5 @@ def test_example_runs_under_torchrun_as_the_readme_says() -> None:
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("embed_anyio "))
+    assert len(lines) == RANKS, (proc.stdout, proc.stderr[-3000:])  # one line per rank
     _check_delivery([_fields(line) for line in lines], board=True)
