@@ -6,14 +6,23 @@ reading values on the host; platforms are chosen from the device."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ppsync.core.checks import check_sampled_meta, value_bounds
 from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for, triton_error
-from ppsync.core.frame import FLAG_BAD_VALUES, BufferPool, FrameView, slot_need_words
+from ppsync.core.frame import (
+    FLAG_BAD_VALUES,
+    HEADER_WORDS,
+    BufferPool,
+    FrameView,
+    slot_need_words,
+)
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,
@@ -231,3 +240,76 @@ def test_cpu_platform_stream_calls_are_no_ops() -> None:
     p.record_stream(t, s)
     p.before_send(s)
 
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> dict[str, object]:
+    k = draw(st.integers(0, 3))
+    n = draw(st.integers(1, 12))
+    w = draw(st.integers(1, k + 1))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return {
+        "k": k, "n": n, "w": w, "rng": rng,
+        "wire": draw(st.sampled_from(["fixed", "exact"])),
+        "drafts": k > 0 and draw(st.booleans()),
+        # sometimes out of range: the verdict bits and the flag
+        "ns": rng.integers(-1 if draw(st.booleans()) else 0, w + 2, n).astype(np.int32),
+        "nr": rng.integers(-1 if draw(st.booleans()) else 0, k + 2, n).astype(np.int64),
+        "keep": rng.random(n) < 0.7,
+        "table": draw(st.sampled_from([None, torch.int32, torch.int64])),
+        "expect": draw(st.sampled_from([None, True, False])),
+        # a received frame's word changed in flight (None: intact), or the
+        # receiver's own view of one row differs (the checksum still holds)
+        "corrupt": draw(st.sampled_from([None, "header", "facts", "payload", "checksum",
+                                         "view"])),
+    }
+
+
+@pytest.mark.skipif(triton_error() is not None,
+                    reason=f"Triton cannot be loaded ({triton_error()}): install ppsync[triton]")
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_cases())
+def test_both_kernel_sets_agree_on_every_frame_release_and_verdict(
+        case: dict[str, Any]) -> None:
+    """One contract: the same step packed by each set gives the same words
+    and verdict (the host codec's frame when the values are valid); the same
+    received frame, intact or changed in flight, gives each set the same
+    verdict, outputs and draft table."""
+    k, n, w, rng = case["k"], case["n"], case["w"], case["rng"]
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k,
+                              wire=case["wire"])
+    host, dev = FrameCodec(config), DeviceFrameCodec(config, CPU)
+    sets = [kernel_set(name, dev) for name in ("torch", "triton")]
+    view, tokens, _, _, drafts = _step(k, n, w, seed=int(rng.integers(1 << 30)))
+    ns, nr = case["ns"], case["nr"]
+    dr = drafts if case["drafts"] else None
+    flags = dev.layout.flags(dr is not None)
+    packed = [pack(ks, dev, view, flags, tokens, ns, nr, dr) for ks in sets]
+    used = host.used(n)
+    (buf, verdict), (other, other_verdict) = packed
+    assert verdict == other_verdict
+    assert np.array_equal(buf.numpy()[:used], other.numpy()[:used])
+    if verdict == 0:
+        hbuf = BufferPool(host).take(n)
+        host.pack(hbuf.numpy(), view, tokens, ns, nr, dr)
+        assert np.array_equal(buf.numpy()[:used], hbuf.numpy()[:used])
+    mine = view
+    if case["corrupt"] == "view":
+        assert view.computed_np is not None and view.slot_need_np is not None
+        computed = view.computed_np.copy()
+        computed[int(rng.integers(n))] += 1
+        mine = FrameView(view.seq, n, view.idx_digest, view.slot_need_np, computed,
+                         view.sample_width)
+    elif case["corrupt"] is not None:
+        at = {"header": int(rng.integers(0, 7)), "checksum": 7,
+              "facts": HEADER_WORDS + int(rng.integers(n)) * host.row_width + host.col_computed,
+              "payload": HEADER_WORDS + int(rng.integers(n * host.row_width))}[case["corrupt"]]
+        buf[at] ^= 1 << int(rng.integers(0, 62))
+    got = []
+    for ks in sets:
+        table = (None if case["table"] is None or not k
+                 else torch.full((16, k), -5, dtype=case["table"]))
+        v, out = release(ks, dev, buf.clone(), mine, case["keep"], case["expect"], table)
+        got.append((v, [None if t is None else t.numpy().tolist()
+                        for t in (out.tokens, out.counts, out.idx_mapping, out.drafts, table)]))
+    assert got[0] == got[1], (case["corrupt"], got[0][0], got[1][0])
