@@ -22,8 +22,8 @@ from ppsync.core.frame.device_frames import DeviceFrameCodec
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 
-__all__ = ["DeviceKernels", "Outputs", "device_kernels_for", "resolve_device_kernels",
-           "triton_error"]
+__all__ = ["DeviceKernels", "Outputs", "device_kernels_for", "interpreting",
+           "resolve_device_kernels", "triton_error"]
 
 TRITON_DEVICES = ("cuda", "xpu")
 """Devices Triton compiles for; on CPU tensors only its interpreter runs."""
@@ -72,7 +72,8 @@ def triton_error() -> str | None:
     return None
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -92,7 +93,7 @@ def resolve_device_kernels(config: SyncConfig, device: torch.device
     if why is not None:
         raise ConfigError(f"device_kernels = 'triton' but Triton cannot be loaded ({why}); "
                           "install the extra ppsync[triton], or use 'auto' or 'torch'")
-    if not compiled and not _interpreting():
+    if not compiled and not interpreting():
         raise ConfigError(f"device_kernels = 'triton' on a {device.type} device needs "
                           "Triton's interpreter (TRITON_INTERPRET=1 before the process "
                           f"starts): Triton compiles for {', '.join(TRITON_DEVICES)} only")

@@ -58,9 +58,6 @@ class TorchKernels:
         self._neg1 = torch.full((lay.max_num_reqs, max(lay.sample_width, lay.num_drafts)), -1,
                                 dtype=torch.int64, device=dev)
 
-    def _rows(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        return buf[HEADER_WORDS : HEADER_WORDS + n * self.W].view(n, self.W)
-
     def _facts(self, stage: torch.Tensor, n: int) -> torch.Tensor:
         return stage[Staging.facts(n)].view(n, 2)
 
@@ -86,7 +83,7 @@ class TorchKernels:
              num_sampled: torch.Tensor, num_rejected: torch.Tensor,
              drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
         L, K, w = self.L, self.K, tokens.shape[1]
-        rows = self._rows(buf, n)
+        rows = self.layout.device_rows(buf, n)
         # every column of the rows in one write: [tokens | -1 | counts | drafts | facts]
         parts = [tokens]
         if w < L:
@@ -108,7 +105,7 @@ class TorchKernels:
                 expect_drafts: bool | None, out: Outputs, table: torch.Tensor | None,
                 kept: int, verdict: torch.Tensor) -> None:
         L, K, st = self.L, self.K, self.staging
-        rows = self._rows(buf, n)
+        rows = self.layout.device_rows(buf, n)
         head = buf[:HEADER_WORDS]
         counts = rows[:, L : L + 2]
         bad_frame = (((head ^ stage[:HEADER_WORDS]) & self._head_mask).any()

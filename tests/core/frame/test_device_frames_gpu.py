@@ -4,14 +4,12 @@ without CUDA; ``make gpu-check`` runs the multi-rank checks."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from ppsync.core.checks import value_bounds
-from ppsync.core.device_kernels import device_kernels_for, triton_error
+from ppsync.core.device_kernels import device_kernels_for, interpreting, triton_error
 from ppsync.core.frame import BufferPool, FrameView, slot_need_words
 from ppsync.core.frame.device_frames import V_NUM_SAMPLED, DeviceFrameCodec
 from ppsync.core.frame.host_frames import FrameCodec
@@ -27,7 +25,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
-    if kernels == "triton" and (triton_error() is not None or _interpreting()):
+    if kernels == "triton" and (triton_error() is not None or interpreting()):
         pytest.skip("compiled Triton kernels need triton and TRITON_INTERPRET=0")
     dev = torch.device("cuda", 0)
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=2,
@@ -71,7 +69,3 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
     stage_dev.copy_(staging)
     ks.pack(torch.zeros_like(buf), stage_dev, 3, tokens, ns + 3, nr, None, verdict)
     assert int(verdict.cpu()[0]) == V_NUM_SAMPLED
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
