@@ -93,12 +93,11 @@ class DispatchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             c.host_syncs += func.__name__.startswith("_local_scalar_dense")
         return func(*args, **(kwargs or {}))
 
-    def _uncounted(self, field: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` counted once in ``field``; the torch calls it makes not."""
+    def _uncounted(self, fn: Callable[..., Any], *fields: str) -> Callable[..., Any]:
+        """``fn`` counted once in each of ``fields``; the torch calls it makes not."""
         def counted(*args: Any, **kwargs: Any) -> Any:
-            setattr(self.counts, field, getattr(self.counts, field) + 1)
-            if field == "triton":
-                self.counts.kernels += 1
+            for field in fields:
+                setattr(self.counts, field, getattr(self.counts, field) + 1)
             self.paused = True
             try:
                 return fn(*args, **kwargs)
@@ -108,15 +107,16 @@ class DispatchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def collective(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a transfer) counted as one collective, its own calls not."""
-        return self._uncounted("collectives", fn)
+        return self._uncounted(fn, "collectives")
 
     def triton_kernel(self, kernel: Any) -> Any:
-        """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
+        """A Triton kernel whose launches (``kernel[grid](...)``) are counted,
+        each a Triton launch and a compute kernel."""
         counter = self
 
         class Counted:
             def __getitem__(self, grid: Any) -> Callable[..., Any]:
-                return counter._uncounted("triton", kernel[grid])
+                return counter._uncounted(kernel[grid], "triton", "kernels")
 
         return Counted()
 
