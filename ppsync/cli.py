@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ppsync.core.completion import EMULATED, StreamOrdered
 from ppsync.core.dumps import dump_all, install_dump_triggers
+from ppsync.core.frame.codec import check_frames
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.harness.rank import RunOptions, run_rank
@@ -72,6 +74,9 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
+    la.add_argument("--emulate", choices=list(EMULATED), default=None,
+                    help="token groups whose works behave as this backend's (the CPU twin of "
+                         "stream-ordered backends; needs --codec device and --wire fixed)")
     la.add_argument("--join-timeout", type=_seconds, default=120.0, metavar="S",
                     help="bound on joining the world: ranks may start seconds apart "
                     "(default 120)")
@@ -194,7 +199,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
     if args.jitter_us < 0:
         raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
-    return SyncConfig.build(
+    config = SyncConfig.build(
         pp_size=pp_size,
         max_num_reqs=args.max_num_reqs,
         num_speculative_steps=args.spec,
@@ -204,6 +209,9 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
         codec=args.codec,
         flight_events=args.flight_events,
     )
+    if args.emulate is not None:  # before any rank starts
+        check_frames(config, StreamOrdered(), f"gloo emulating {args.emulate}")
+    return config
 
 
 def _dump_dir(args: argparse.Namespace) -> Path | None:
@@ -252,7 +260,7 @@ def _launch(args: argparse.Namespace) -> int:
                            jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
                            world_size=args.world_size,
                            progress_s=None if args.quiet else args.progress_every,
-                           dump_dir=dump_dir)
+                           dump_dir=dump_dir, emulate=args.emulate)
     except ConfigError:
         raise
     except PPSyncError as e:  # the dumps' pointers are the last lines
@@ -274,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
                       None if args.quiet else args.progress_every, args.join_timeout,
-                      args.device, args.run_id)
+                      args.device, args.run_id, args.emulate)
     report = run_rank(config, opts, world)
     if world.rank == 0:
         return _finish(args, report)

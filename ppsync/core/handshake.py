@@ -14,9 +14,9 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from ppsync.core.completion import Completion
 from ppsync.core.frame.codec import frames_on_device
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION
-from ppsync.core.transport import wait_work
 from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig
 
@@ -42,11 +42,15 @@ class Handshake:
     :meth:`finish`, so the wait for slow peers never blocks the loop."""
 
     def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int,
-                 device: torch.device | None = None, device_kernels: str = "none") -> None:
-        """``device``: where the words go (an NCCL / XCCL group takes device
+                 completion: Completion, device: torch.device | None = None,
+                 device_kernels: str = "none") -> None:
+        """``completion``: the group's semantics (on a stream-ordered group the
+        wait polls the work's end, then orders the current stream after it);
+        ``device``: where the words go (an NCCL / XCCL group takes device
         tensors only; start-up, so reading them back is no hot-path sync);
         ``device_kernels``: the device codec's kernel set ("none": host codec)."""
         self.config = config
+        self.completion = completion
         self.rank = rank
         self.words = config_words(config, device_kernels)
         nonce = secrets.randbits(62)
@@ -54,7 +58,7 @@ class Handshake:
         self._gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]
         # the group's own call: it also serves a group not registered with
         # torch.distributed (see ppsync.core.groups.group_facts)
-        self.work: dist.Work = group.allgather([self._gathered], [mine])
+        self.work: dist.Work = completion.adopt(group.allgather([self._gathered], [mine]))
 
     def finish(self) -> int:
         """Wait (bounded) for every rank's words and raise DesyncError, on
@@ -62,8 +66,9 @@ class Handshake:
         agree on: group rank 0's random nonce, gathered with the words (it
         scopes the failure board to this run)."""
         config, rank = self.config, self.rank
-        wait_work(self.work, timeout_s=config.timeout_s,
-                  what=f"rank {rank}: configuration handshake", peer=None)
+        self.completion.wait(self.work, timeout_s=config.timeout_s,
+                             what=f"rank {rank}: configuration handshake", peer=None)
+        self.completion.order_after(self.work)  # start-up: the current stream, before .cpu()
         self._gathered = [g.cpu() for g in self._gathered]
         ref = dict(zip(_FIELDS, self.words, strict=True))
         for other, words in enumerate(self._gathered):

@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
+from ppsync.core.completion import Completion, completion_for
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
-from ppsync.core.frame.codec import DEVICE_ONLY_BACKENDS, StepCodec, codec_for
+from ppsync.core.frame.codec import StepCodec, codec_for
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
@@ -48,15 +49,17 @@ from ppsync.core.recorder import FlightRecorder
 from ppsync.core.ring import SlotRing
 from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
-from ppsync.core.transport import Broadcaster, TransportClock, has_ended
+from ppsync.core.transport import Broadcaster, TransportClock
 from ppsync.core.waits import InFlight, Waits, named_failure
 from ppsync.errors import (
     BatchError,
     ConfigError,
     DesyncError,
+    PeerLost,
     PPSyncError,
     ProtocolError,
     RoleError,
+    SyncTimeout,
 )
 from ppsync.schemas.config import SyncConfig
 
@@ -122,21 +125,25 @@ class PathBase:
         self.global_rank = group_ranks[rank]
         self.src = group_ranks[config.pp_size - 1]
         self.board = FailureBoard.of_group(group) if board == "group" else board
-        bound_group_timeout(group, config.timeout_s)
-        self.transport: Broadcaster = Broadcaster(group, config.pp_size - 1)
+        self.completion: Completion = completion_for(group, backend)
+        """What the group's works mean (host-completed: gloo; stream-ordered:
+        NCCL, XCCL, the CPU twin): every wait and stream order asks it."""
+        bound_group_timeout(group, self.completion.group_timeout_s(config.timeout_s))
+        self.transport: Broadcaster = self.completion.broadcaster(group, config.pp_size - 1)
         """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
         may put a loopback in its place (ppsync.bench.loopback)."""
-        self.platform = (platform if isinstance(platform, Platform)
-                         else platform_for(device, platform))
+        self.platform = self.completion.platform(
+            platform if isinstance(platform, Platform) else platform_for(device, platform))
         self.backend = backend
         # chosen before the handshake: a codec the backend cannot carry raises
         # before anything is issued
-        self.codec: StepCodec = codec_for(config, self.platform, backend=self.backend,
-                                          rank=self.rank, src=self.src)
+        self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
+                                          backend=backend, rank=self.rank, src=self.src)
         """Packs, checks and releases this path's frames (ppsync.core.frame.codec)."""
-        on_device = self.backend in DEVICE_ONLY_BACKENDS
+        on_device = self.completion.device_only
         self.handshake: Handshake | None = Handshake(
-            config, group, rank=self.rank, device=self.platform.device if on_device else None,
+            config, group, rank=self.rank, completion=self.completion,
+            device=self.platform.device if on_device else None,
             device_kernels=self.codec.device_kernels_name)
         """Issued at once; finished here, or by the caller (``wait_handshake``
         False: an event loop awaits :meth:`handshake_work`, then calls
@@ -152,7 +159,8 @@ class PathBase:
         self._tail_open = False  # receivers: consume() reserved a tail not yet posted
         self._inflight = InFlight(config.depth)
         self._waits = Waits(self.rank, config.timeout_s, self.board,
-                            lambda err, observed: self.failed(err, observed=observed))
+                            lambda err, observed: self.failed(err, observed=observed),
+                            self.completion)
         self._closed = False
         self._last_issued: tuple[int, dist.Work] | None = None
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
@@ -269,6 +277,10 @@ class PathBase:
         again once the others posted, and dumps that answer only)."""
         named = named_failure(err, self.board, rank=self.rank, settle=settle,
                               observed=observed)
+        if isinstance(named, (SyncTimeout, PeerLost)):
+            # stream-ordered: a transfer that will not end would hold the
+            # side stream (and NCCL's kernel) forever
+            self.completion.abort(self.group)
         if dump:
             dump_on_error(self, named)
         return named
@@ -341,12 +353,14 @@ class PathBase:
                 self.recorder.drained(self.steps)
                 self._checked(self.codec.settle, True)
         finally:
-            abandoned = (any(not has_ended(s.work) for s in self.ring.pending())
-                         or self._inflight.abandoned())
+            ends = self.completion
+            abandoned = (any(not ends.ended(s.work) for s in self.ring.pending())
+                         or self._inflight.abandoned(ends))
             self.ring.clear()
             self._inflight.clear()
             self._closed = True
             if abandoned:
+                ends.abort(self.group)  # stream-ordered: no stream waits on them forever
                 keep_until_exit(self.group)
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")

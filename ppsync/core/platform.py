@@ -21,6 +21,7 @@ transfer's own completion is still observed through its work (gloo).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -107,6 +108,12 @@ class Platform:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """``tensor`` (allocated on another stream) is used on ``stream``:
         its memory is not reused before that use is done."""
+
+    def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
+        """Run the torch work ``fn`` on ``stream`` (as enqueued there: a
+        stand-in stream may run it later, as a device's would)."""
+        with self.use(stream):
+            fn()
 
     def before_send(self, main: Any) -> None:
         """What the last rank does to the main stream before it sends."""

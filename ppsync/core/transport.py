@@ -123,16 +123,15 @@ def has_ended(work: dist.Work) -> bool:
 
 
 def ended_well(work: dist.Work) -> bool:
-    """True when ``work`` has ended without an error, settled as
-    :func:`wait_work` would settle it (its future's ``wait``, which for device
-    tensors also orders the current stream after the transfer); False when
-    it has not ended, or failed: then :func:`wait_work` waits or raises.
-    One future read: the usual case of a wait on a transfer already done."""
+    """True when ``work`` has ended without an error; False when it has not
+    ended, or failed: then :func:`wait_work` waits or raises. One future
+    read (``value()``: unlike ``wait()``, it orders no stream), the usual
+    case of a wait on a transfer already done."""
     fut = _future(work)
     if fut is None or not fut.done():
         return False
     try:
-        fut.wait()
+        fut.value()
     except RuntimeError:
         return False
     return True
@@ -140,14 +139,16 @@ def ended_well(work: dist.Work) -> bool:
 
 def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost.
-    Never blocks once :func:`has_ended` says the work ended."""
+    Never blocks once :func:`has_ended` says the work ended. gloo's rule (a
+    future done = the transfer done): a token path asks its completion
+    semantics (ppsync.core.completion), which use this on gloo."""
     try:
         fut = _future(work)
         if fut is not None and fut.done():
-            # returns at once, or raises the transfer's error; for device
-            # tensors it also makes the current stream wait on the transfer's
-            # copies (device-side; value() would not)
-            fut.wait()
+            # returns at once, or raises the transfer's error; orders no
+            # stream (a caller that wants that asks its completion semantics:
+            # ppsync.core.completion, order_after on its side stream)
+            fut.value()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:

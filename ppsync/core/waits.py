@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ppsync.core.completion import Completion
 from ppsync.core.liveness import FailureBoard, kind_of, verdict
-from ppsync.core.transport import TransportClock, ended_well, has_ended, wait_work
+from ppsync.core.transport import TransportClock
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
 Failed = Callable[[PPSyncError, bool], PPSyncError]
@@ -47,16 +48,17 @@ def board_slices(what: str, *, timeout_s: float, board: FailureBoard | None,
 
 
 def wait_on_board(work: dist.Work, what: str, *, timeout_s: float,
-                 board: FailureBoard | None, failed: Failed) -> None:
-    """Wait for ``work`` at most ``timeout_s``; a failure (its own, a
-    timeout, or one another rank posted) raises ``failed(error, observed)``."""
+                 board: FailureBoard | None, failed: Failed, completion: Completion) -> None:
+    """Wait for ``work`` at most ``timeout_s`` (as ``completion`` judges its
+    end); a failure (its own, a timeout, or one another rank posted) raises
+    ``failed(error, observed)``."""
     try:
         if board is None:
-            wait_work(work, timeout_s=timeout_s, what=what, peer=None)
+            completion.wait(work, timeout_s=timeout_s, what=what, peer=None)
             return
         for slice_s in board_slices(what, timeout_s=timeout_s, board=board):
             try:
-                wait_work(work, timeout_s=slice_s, what=what, peer=None)
+                completion.wait(work, timeout_s=slice_s, what=what, peer=None)
                 return
             except SyncTimeout:
                 continue
@@ -87,10 +89,11 @@ def named_failure(err: PPSyncError, board: FailureBoard | None, *, rank: int, se
 class Waits:
     """One token path's waits: bounded, board-sliced, timed into ``clock``
     when one is set (a benchmark's), each failure turned into the path's
-    error by ``failed``."""
+    error by ``failed``; a transfer's end as ``completion`` judges it."""
 
     def __init__(self, rank: int, timeout_s: float, board: FailureBoard | None,
-                 failed: Failed) -> None:
+                 failed: Failed, completion: Completion) -> None:
+        self.completion = completion
         self.rank = rank
         self.timeout_s = timeout_s
         self.board = board
@@ -100,7 +103,7 @@ class Waits:
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait at most timeout_s (see :func:`wait_on_board`)."""
-        if self.clock is None or has_ended(work):
+        if self.clock is None or self.completion.ended(work):
             self._wait(work, what)
             return
         t0 = time.thread_time_ns()
@@ -111,11 +114,11 @@ class Waits:
 
     def _wait(self, work: dist.Work, what: str) -> None:
         wait_on_board(work, f"rank {self.rank}: {what}", timeout_s=self.timeout_s,
-                     board=self.board, failed=self.failed)
+                     board=self.board, failed=self.failed, completion=self.completion)
 
     def for_receive(self, work: dist.Work, seq: int) -> None:
         """:meth:`wait` for frame ``seq``'s receive, unless it already ended well."""
-        if not ended_well(work):
+        if not self.completion.ended_well(work):
             self.wait(work, f"receive of frame {seq}")
 
 
@@ -141,11 +144,11 @@ class InFlight:
     def prune(self, waits: Waits, done: Callable[[torch.Tensor, dist.Work], None]) -> None:
         """Drop completed works (``done(buf, work)`` for each); wait for the
         oldest while more than ``depth`` are held."""
-        works = self._works
+        works, ends = self._works, waits.completion
         while works:
             buf, work = works[0]
-            if not ended_well(work):
-                if len(works) <= self.depth and not has_ended(work):
+            if not ends.ended_well(work):
+                if len(works) <= self.depth and not ends.ended(work):
                     break
                 waits.wait(work, "earlier transfer")  # waits, or raises its failure
             works.popleft()
@@ -156,9 +159,9 @@ class InFlight:
             _, work = self._works.popleft()
             waits.wait(work, "draining transfer")
 
-    def abandoned(self) -> bool:
+    def abandoned(self, completion: Completion) -> bool:
         """Whether a work is still pending."""
-        return any(not has_ended(w) for _, w in self._works)
+        return any(not completion.ended(w) for _, w in self._works)
 
     def clear(self) -> None:
         self._works.clear()

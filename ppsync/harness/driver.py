@@ -162,6 +162,22 @@ def outputs(step: ScheduledStep, device: torch.device | None = None) -> tuple[
     return tokens, ns, nr, drafts
 
 
+def engine_owned(sampled: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The sampler's outputs in tensors the engine owns and reuses (copies:
+    :func:`outputs` views the workload's own arrays)."""
+    return tuple(None if t is None else t.clone() for t in sampled)
+
+
+def overwrite(sampled: tuple[torch.Tensor | None, ...]) -> None:
+    """What an engine may do once publish returned: write its sampler's
+    tensors in place (the next step's outputs, here values the checker would
+    call corrupt and counts out of range). Publish owns what it sends
+    (docs/design.md, "Own what you send"): receivers never see these."""
+    for t in sampled:
+        if t is not None:
+            t.fill_(99 if t.dtype == torch.int32 else -5)
+
+
 def on_host(released: ReleasedStep) -> ReleasedStep:
     """A CPU copy of a released step (for the checker; syncs the device)."""
     drafts = released.draft_tokens
@@ -197,12 +213,13 @@ def engine_steps(loop: StepLoop, path: TokenPath,
         if skips_call(t, step):
             loop.sent(t, 0, spent)
             continue
-        call: Call = (("publish", (step.view, *outputs(step, device))) if is_last
-                      else ("post", (step.view,)))
+        sampled = engine_owned(outputs(step, device)) if is_last else ()
+        call: Call = ("publish", (step.view, *sampled)) if is_last else ("post", (step.view,))
         t0 = time.perf_counter_ns()
         needed = yield call
         assert isinstance(needed, int)
         loop.sent(t, needed, spent + time.perf_counter_ns() - t0)
+        overwrite(sampled)
 
 
 def next_call(steps: Generator[Call, object, None], result: object) -> Call | None:

@@ -20,8 +20,9 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from ppsync.core.completion import STATS, completion_for, emulate
 from ppsync.core.frame.codec import frames_on_device
-from ppsync.core.groups import pipeline_layout, token_groups
+from ppsync.core.groups import group_facts, pipeline_layout, token_groups
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
 from ppsync.core.token_path import TokenPath
@@ -50,6 +51,7 @@ class RunOptions:
     join_timeout_s: float = 120.0  # bound on joining the world (ranks start at different times)
     device: str = "cpu"  # cpu, cuda, xpu: where the device codec's tensors live
     run_id: str | None = None  # the run's name in the store (ppsync run --run-id)
+    emulate: str | None = None  # "nccl": the token groups behave as NCCL's (the CPU twin)
 
 
 class Progress:
@@ -90,6 +92,16 @@ def _run_group(
                                    progress=progress, device=device)
 
 
+def completion_facts(group: dist.ProcessGroup, emulated: str | None) -> dict[str, object]:
+    """The report's fields on the token group's completion semantics; on
+    the CPU twin, what its stand-in streams saw in this process."""
+    facts: dict[str, object] = {"completion": completion_for(group, group_facts(group)[3]).name}
+    if emulated is not None:
+        facts |= {"engine_waits_unconsumed": STATS.engine_waits_unconsumed,
+                  "engine_waits_consumed": STATS.engine_waits_consumed}
+    return facts
+
+
 def rank_device(kind: str, codec: str, local_rank: int) -> torch.device | None:
     """This rank's device for ``--device kind``: None on CPU, else the
     accelerator at LOCAL_RANK modulo the visible count. ConfigError for an
@@ -121,6 +133,8 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     # collectives then get the run's own timeout (the token path sets its
     # group's; the final gather's is set here).
     _, group = token_groups(layout, timeout_s=opts.join_timeout_s, backend=backend)
+    if opts.emulate is not None:
+        emulate(group, opts.emulate)
     gather = dist.new_group(list(range(world.world_size)),
                             timeout=datetime.timedelta(seconds=opts.join_timeout_s))
     gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))
@@ -137,7 +151,8 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
             # rank: keep the store up for their grace before this process exits
             time.sleep(board.grace_s + 2 * board.slice_s)
         raise
-    mine = mine.model_copy(update={"global_rank": world.rank, "pp_group": index})
+    mine = mine.model_copy(update={"global_rank": world.rank, "pp_group": index,
+                                   **completion_facts(group, opts.emulate)})
     reports: list[RankReport | None] = [None] * world.world_size
     dist.all_gather_object(reports, mine, group=gather)
     ranks = [r for r in reports if r is not None]

@@ -28,14 +28,17 @@ def run_local(
     world_size: int | None = None,
     progress_s: float | None = None,
     dump_dir: Path | None = None,
+    emulate: str | None = None,
 ) -> RunReport:
     """Spawn ``world_size`` (default ``config.pp_size``) gloo ranks on
     127.0.0.1, each running the rank code of ``ppsync run``
     (:func:`~ppsync.harness.rank.run_rank`), ``steps`` steps of the workload
     through the synchronous token path (``backend`` None) or the anyio services
     on ``backend``, and report. ``dump_dir``: the ranks dump their flight
-    records there (ppsync.core.dumps)."""
-    opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}), progress_s)
+    records there (ppsync.core.dumps). ``emulate``: "nccl" makes the token
+    groups behave as NCCL's (ppsync.core.completion.twin)."""
+    opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}), progress_s,
+                      emulate=emulate)
     target = functools.partial(run_rank, config, opts)
     world = config.pp_size if world_size is None else world_size
     pipeline_layout(world, config.pp_size)  # a bad ratio fails here, before any process
@@ -70,6 +73,13 @@ def format_table(report: RunReport) -> str:
             f"{r.stale:>5} {r.duplicated:>4} {r.corrupt:>7} {r.sync_us_p50:>8.1f} "
             f"{r.sync_us_p99:>8.1f} {r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}"
         )
+    twin = [r for r in report.ranks if r.engine_waits_unconsumed is not None]
+    if twin:
+        lines.append(f"{report.ranks[0].completion}: engine-stream waits on transfers not yet "
+                     "consumed (must be 0), and at consume:")
+        lines += [f"  rank {r.global_rank if r.global_rank is not None else r.rank}: "
+                  f"{r.engine_waits_unconsumed} unconsumed, {r.engine_waits_consumed} at consume"
+                  for r in twin]
     c = report.config
     world = c.pp_size if report.world_size is None else report.world_size
     verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt" if report.ok else "FAULTS"

@@ -55,11 +55,22 @@ class RankReport(BaseModel):
     """Resident memory of the rank process when its loop started (MiB)."""
     rss_end_mb: float = Field(default=0.0, ge=0)
     """Resident memory of the rank process when its loop ended (MiB)."""
+    completion: str = "host-completed"
+    """What the token group's works meant: "host-completed" (gloo),
+    "stream-ordered" (NCCL, XCCL), or the CPU twin of the latter (--emulate)."""
+    engine_waits_unconsumed: int | None = Field(default=None, ge=0)
+    """CPU twin only (else None): times the engine's stream was made to wait
+    on a frame's transfer before its consume, or on a broadcast. Must be 0."""
+    engine_waits_consumed: int | None = Field(default=None, ge=0)
+    """CPU twin only: the engine's stream's waits on received frames at their
+    consume (the expected ones)."""
 
     @property
     def faults(self) -> int:
-        """Rows lost, stale, duplicated or corrupt."""
-        return self.lost + self.stale + self.duplicated + self.corrupt
+        """Rows lost, stale, duplicated or corrupt, plus the twin's engine-stream
+        waits on unconsumed transfers (a broken promise, though no row was)."""
+        return (self.lost + self.stale + self.duplicated + self.corrupt
+                + (self.engine_waits_unconsumed or 0))
 
 
 class RunReport(BaseModel):
@@ -82,5 +93,6 @@ class RunReport(BaseModel):
 
     @property
     def ok(self) -> bool:
-        """True when no rank lost, duplicated, corrupted or kept a stale row."""
+        """True when no rank lost, duplicated, corrupted or kept a stale row
+        (and, on the CPU twin, no engine stream waited on an unconsumed transfer)."""
         return all(r.faults == 0 for r in self.ranks)

@@ -50,9 +50,11 @@ import anyio
 import anyio.lowlevel
 import torch.distributed as dist
 
+from ppsync.core.completion import Completion, HostCompleted
+from ppsync.core.completion.base import POLL_FIRST_S, POLL_MAX_S
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import has_ended, wait_work
+from ppsync.core.transport import has_ended
 from ppsync.core.waits import Relayed, board_slices
 from ppsync.errors import PPSyncError
 
@@ -110,6 +112,9 @@ def _loop_waker(event: anyio.Event) -> Callable[[], None]:
     return wake
 
 
+_HOST = HostCompleted()
+
+
 async def await_work(
     work: dist.Work,
     *,
@@ -117,20 +122,43 @@ async def await_work(
     what: str,
     peer: int | None,
     board: FailureBoard | None = None,
+    completion: Completion = _HOST,
 ) -> None:
     """Return once ``work`` has completed, without blocking the loop; raise
     SyncTimeout after ``timeout_s`` and PeerLost if the transfer failed or,
     with a ``board``, as soon as another rank posted a failure there.
+    ``completion``: the group's semantics (default gloo's); on a
+    stream-ordered group the future says nothing, so the work's end is polled
+    (:func:`_polled`) and no stream is ordered.
 
     Cancellation leaves the work untouched (it still completes in the
     background and its owner keeps its buffer alive)."""
-    if not has_ended(work):
+    if completion.stream_ordered:
+        await _polled(work, completion, timeout_s=timeout_s, what=what, board=board)
+    elif not has_ended(work):
         event = anyio.Event()
         if not _ended_inline(work, _loop_waker(event)):
             await _woken(event, timeout_s=timeout_s, what=what, board=board)
-    # Ended, by its future's own state: this returns at once, or raises the
-    # transfer's own error; it never blocks the loop.
-    wait_work(work, timeout_s=timeout_s, what=what, peer=peer)
+    # Ended: this returns at once, or raises the transfer's own error; it
+    # never blocks the loop.
+    completion.wait(work, timeout_s=timeout_s, what=what, peer=peer)
+
+
+async def _polled(work: dist.Work, completion: Completion, *, timeout_s: float, what: str,
+                  board: FailureBoard | None) -> None:
+    """Sleep until ``completion`` says ``work`` ended (pauses doubling from
+    POLL_FIRST_S to POLL_MAX_S: the loop runs other tasks meanwhile), under
+    the deadline and the board's slices."""
+    pause = POLL_FIRST_S
+    for slice_s in board_slices(what, timeout_s=timeout_s, board=board, now=anyio.current_time):
+        end = anyio.current_time() + slice_s
+        while not completion.ended(work):
+            if anyio.current_time() >= end:
+                break
+            await anyio.sleep(pause)
+            pause = min(pause * 2, POLL_MAX_S)
+        else:
+            return
 
 
 async def _woken(
@@ -175,7 +203,7 @@ async def await_path_work(path: TokenPath, work: dist.Work, what: str) -> None:
     try:
         await await_work(
             work, timeout_s=path.config.timeout_s, what=f"rank {path.rank}: {what}",
-            peer=None, board=path.board,
+            peer=None, board=path.board, completion=path.completion,
         )
     except PPSyncError as e:
         board = path.board

@@ -141,7 +141,8 @@ async def open_rank(
         work = path.handshake_work()
         assert work is not None  # wait_handshake=False: finish_handshake is due
         await await_work(work, timeout_s=config.timeout_s,
-                        what=f"rank {path.rank}: configuration handshake", peer=None)
+                         what=f"rank {path.rank}: configuration handshake", peer=None,
+                         completion=path.completion)
         path.finish_handshake()
     except BaseException:
         path.close(drain=False)

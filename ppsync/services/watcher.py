@@ -24,7 +24,6 @@ import torch.distributed as dist
 from anyio.abc import TaskStatus
 
 from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import has_ended
 from ppsync.services.completion import await_path_work
 
 
@@ -52,7 +51,7 @@ class Watcher:
         transfer raises here). Never waits for an incomplete transfer."""
         self._pending.append(item)
         self._issued += 1
-        while self._pending and has_ended(self._pending[0].work):
+        while self._pending and self.path.completion.ended(self._pending[0].work):
             await self._done(self._pending.popleft())
         if self._pending and not self._wake.is_set():
             self._wake.set()

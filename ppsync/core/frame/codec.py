@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
+from ppsync.core.completion import Completion
 from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.host_kernels import NumpyKernels
@@ -34,9 +35,6 @@ from ppsync.schemas.config import SyncConfig
 StepDrafts = np.ndarray | torch.Tensor
 """One step's drafts, [num_reqs, K]: a host array (host codec) or a tensor on
 the codec's device (device codec), as :meth:`StepCodec.prepare` returns them."""
-
-DEVICE_ONLY_BACKENDS = ("nccl", "xccl")
-"""Backends that take device tensors only: their frames need the device codec."""
 
 Issue = Callable[[torch.Tensor], dist.Work]
 """Issues a frame's collective; never blocks."""
@@ -122,16 +120,29 @@ def frames_home(codec: str, platform: Platform) -> tuple[str, Platform | None]:
     return "gloo", None
 
 
-def codec_for(config: SyncConfig, platform: Platform, *, backend: str, rank: int,
-              src: int) -> StepCodec:
-    """The codec ``config.codec`` names: the one place the choice is made."""
+def codec_for(config: SyncConfig, platform: Platform, *, completion: Completion,
+              backend: str, rank: int, src: int) -> StepCodec:
+    """The codec ``config.codec`` names: the one place the choice is made.
+    ``completion``: the token group's semantics (``backend``: its name)."""
     # imported here: both implementations import this module's protocol types
     from ppsync.core.frame.device_codec import DeviceCodec
     from ppsync.core.frame.host_codec import HostCodec
 
+    check_frames(config, completion, backend)
     if frames_on_device(config.codec):
-        return DeviceCodec(config, platform, backend=backend, rank=rank, src=src)
-    if backend in DEVICE_ONLY_BACKENDS:
-        raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
-                          f"group's backend {backend} needs codec = 'device'")
+        return DeviceCodec(config, platform, completion=completion, rank=rank, src=src)
     return HostCodec(config)
+
+
+def check_frames(config: SyncConfig, completion: Completion, backend: str) -> None:
+    """ConfigError unless a group of ``completion`` (``backend``) can carry
+    ``config``'s frames."""
+    if completion.device_only and not frames_on_device(config.codec):
+        raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
+                          f"group ({backend}, {completion.name}) takes device tensors "
+                          "only: use codec = 'device'")
+    if completion.stream_ordered and config.wire == "exact":
+        raise ConfigError(
+            f"wire = 'exact' sizes each frame by its step; on a {completion.name} group "
+            f"({backend}) a size that differs between ranks is undefined behaviour (a hang "
+            "or corrupt data), not an error: use wire = 'fixed'")

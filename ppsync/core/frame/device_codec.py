@@ -51,6 +51,7 @@ from ppsync.core.checks import (
     check_width_fits,
     value_bounds,
 )
+from ppsync.core.completion import Completion
 from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for
 from ppsync.core.frame.codec import Issue, StepDrafts, Wait
 from ppsync.core.frame.device_frames import (
@@ -94,7 +95,6 @@ class Unread:
     frame: FrameView
     expect_drafts: bool | None = None
     tokens_w: int = 0  # sent: the tokens' width, num_sampled's bound (as the host codec's)
-    held: tuple[object, ...] = ()  # sent: the sampler's outputs, read on the side stream
 
 
 class DeviceCodec:
@@ -102,8 +102,8 @@ class DeviceCodec:
 
     on_device = True
 
-    def __init__(self, config: SyncConfig, platform: Platform, *, backend: str, rank: int,
-                 src: int) -> None:
+    def __init__(self, config: SyncConfig, platform: Platform, *, completion: Completion,
+                 rank: int, src: int) -> None:
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -115,9 +115,9 @@ class DeviceCodec:
         self.device_kernels_name: str = self.device_kernels.name
         self.buffers = self.codec.buffers
         self.side = platform.new_stream()
-        self.stream_ordered = backend in ("nccl", "xccl")
-        """The backend orders the collective on streams (NCCL, XCCL): the host
-        never waits for it. gloo: the host observes its completion."""
+        self.completion = completion
+        """The token group's semantics: how the side stream is ordered after
+        a transfer (ppsync.core.completion)."""
         self.rank = rank
         self.src = src
         words = self.frames.staging.words
@@ -164,7 +164,8 @@ class DeviceCodec:
                 u.event.synchronize()  # at close only, never on the hot path
             bad = int(u.stage.np[-1])  # host memory, written once the event ran
             if bad:
-                self.unread.clear()
+                # the later steps stay unread: their buffers may still be in use
+                # on the side stream, and their own verdicts are read in turn
                 raise self._sent_error(u) if u.sent else self._received_error(u, bad)
             self._free_stages.append(u.stage)
             if u.sent:
@@ -211,22 +212,26 @@ class DeviceCodec:
         w = outputs[0].shape[1]
         self.codec.stage(stage.np, frame, flags,
                          value_bounds(w, lay.num_drafts, frame.width(lay)))
+        # Own what is sent: the frame is packed on the stream that made the
+        # sampler's outputs (the current one), before publish returns, so the
+        # engine may write those tensors in place at once; only the frame
+        # crosses to the side stream.
         main = p.current_stream()
-        p.wait_stream(self.side, main)  # the sampler's outputs are complete
+        buf = self.buffers.take(frame.num_reqs)
+        self._stage_dev.copy_(stage.t, non_blocking=True)
+        self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, *outputs, drafts,
+                                 self._verdict_dev)
+        stage.verdict.copy_(self._verdict_dev, non_blocking=True)
+        p.wait_stream(self.side, main)  # the frame is packed
         with p.use(self.side):
-            buf = self.buffers.take(frame.num_reqs)
-            self._stage_dev.copy_(stage.t, non_blocking=True)
-            self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, *outputs, drafts,
-                                     self._verdict_dev)
-            stage.verdict.copy_(self._verdict_dev, non_blocking=True)
             p.before_send(main)
             work = issue(buf)
-            if self.stream_ordered:
-                work.wait()  # device-side: the side stream waits for the collective
+            # the side stream waits for the collective (stream-ordered:
+            # device-side), so the step's event marks the transfer's end
+            self.completion.order_after_issue(work)
             event = p.record_event(self.side)
         self._holds[id(buf)] = 2  # its transfer, and its verdict
-        self.unread.append(Unread(True, frame.seq, event, stage, buf, frame, tokens_w=w,
-                                  held=(*outputs, drafts)))
+        self.unread.append(Unread(True, frame.seq, event, stage, buf, frame, tokens_w=w))
         return buf, work, flags, 0
 
     def _sent_error(self, u: Unread) -> BatchError:
@@ -270,11 +275,9 @@ class DeviceCodec:
         s[at.kept_slots : at.kept_slots + nk] = idx_np[kept_rows]
         s[at.kept_rows : at.kept_rows + nk] = kept_rows
         main = p.current_stream()
-        with p.use(self.side):
-            if self.stream_ordered:
-                work.wait()  # device-side
-            else:
-                wait(work, frame.seq)  # gloo: bounded host wait; its future syncs the side stream
+        # bounded: the host polls (stream-ordered) or waits (gloo) for the
+        # transfer's end; a dead or silent peer raises here, named
+        wait(work, frame.seq)
         hand_drafts = K > 0 and self._has_drafts(buf, expect_drafts)  # after the wait
         # made on the main stream, which uses them (no record_stream)
         out = Outputs(torch.empty((n, frame.width(lay)), dtype=torch.int64, device=dev),
@@ -282,14 +285,20 @@ class DeviceCodec:
                       torch.empty(n, dtype=torch.int64, device=dev),
                       torch.empty((n, K), dtype=torch.int64, device=dev) if hand_drafts
                       else None)
-        p.wait_stream(self.side, main)  # the main stream's earlier use of their memory
-        with p.use(self.side):
+        release_table = table if hand_drafts else None
+
+        def check_release() -> None:
             self._stage_dev.copy_(stage.t, non_blocking=True)
             self.device_kernels.release(buf, self._stage_dev, n, expect_drafts, out,
-                                        table if hand_drafts else None, nk, self._verdict_dev)
+                                        release_table, nk, self._verdict_dev)
             stage.verdict.copy_(self._verdict_dev, non_blocking=True)
+
+        p.wait_stream(self.side, main)  # the main stream's earlier use of their memory
+        with p.use(self.side):
+            self.completion.order_after(work)  # the consume: the side stream after the transfer
+            p.run_on(self.side, check_release)
             event = p.record_event(self.side)
-        p.wait_event(main, event)
+        p.wait_event(main, event)  # the engine's stream waits here, at consume, only
         num_sampled, num_rejected = out.counts.unbind()
         self.unread.append(Unread(False, frame.seq, event, stage, buf, frame, expect_drafts))
         self.settle()

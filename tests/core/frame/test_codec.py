@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ppsync.core.batch import BatchView, batch_facts
+from ppsync.core.completion import HostCompleted, StreamOrdered
 from ppsync.core.frame.codec import StepCodec, codec_for
 from ppsync.core.frame.device_codec import DeviceCodec
 from ppsync.core.frame.host_codec import HostCodec
@@ -19,13 +20,14 @@ K = 2
 CPU = torch.device("cpu")
 
 
-def _config(codec: str) -> SyncConfig:
+def _config(codec: str, wire: str = "fixed") -> SyncConfig:
     return SyncConfig.build(pp_size=2, max_num_reqs=8, num_speculative_steps=K,
-                            codec=codec)
+                            codec=codec, wire=wire)
 
 
 def _codec(codec: str) -> StepCodec:
-    return codec_for(_config(codec), platform_for(CPU), backend="gloo", rank=1, src=1)
+    return codec_for(_config(codec), platform_for(CPU), completion=HostCompleted(),
+                     backend="gloo", rank=1, src=1)
 
 
 def _view(n: int) -> BatchView:
@@ -42,8 +44,20 @@ def test_the_config_chooses_the_codec_and_callers_ask_the_object() -> None:
 @pytest.mark.parametrize("backend", ["nccl", "xccl"])
 def test_host_frames_on_a_device_only_backend_are_a_config_error(backend: str) -> None:
     with pytest.raises(ConfigError, match=rf"codec = 'host' frames are host buffers; the "
-                       rf"token group's backend {backend} needs codec = 'device'"):
-        codec_for(_config("host"), platform_for(CPU), backend=backend, rank=0, src=1)
+                       rf"token group \({backend}, stream-ordered\) takes device tensors only"):
+        codec_for(_config("host"), platform_for(CPU), completion=StreamOrdered(),
+                  backend=backend, rank=0, src=1)
+
+
+def test_exact_wire_on_a_stream_ordered_group_is_a_config_error() -> None:
+    # on NCCL a size that differs between ranks is undefined behaviour, not
+    # gloo's error: refused before anything is built
+    with pytest.raises(ConfigError, match=r"wire = 'exact' sizes each frame by its step; on "
+                       r"a stream-ordered group \(nccl\) .* use wire = 'fixed'"):
+        codec_for(_config("device", "exact"), platform_for(CPU), completion=StreamOrdered(),
+                  backend="nccl", rank=0, src=1)
+    codec_for(_config("device", "exact"), platform_for(CPU), completion=HostCompleted(),
+              backend="gloo", rank=0, src=1)  # gloo: sizes are checked by the header
 
 
 @pytest.mark.parametrize(
