@@ -1,0 +1,81 @@
+"""The CPU twin of stream-ordered backends on two real gloo ranks: works as
+NCCL reports them (future done at enqueue, ``is_completed()`` the truth),
+device-side waits, stand-in streams that run later than the host, the
+engine-stream count, and abort."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ppsync.core.completion import STATS, completion_for, emulate
+from ppsync.core.completion.twin import MAIN, TwinPlatform, TwinWork
+from ppsync.core.groups import token_group
+from ppsync.core.teardown import keep_until_exit
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+
+TIMEOUT_S = 10.0
+LATE_S = 0.4  # the root sends this late: the receiver's transfer is pending meanwhile
+
+
+def _twin_rank(env: RankEnv) -> dict[str, object]:
+    group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
+    emulate(group)
+    ends = completion_for(group, "gloo")
+    issue = ends.broadcaster(group, 1).issue
+    bufs = [torch.zeros(4, dtype=torch.int64) for _ in range(3)]
+    if env.rank == 1:  # the root: two broadcasts, each late; never a third
+        for i in range(2):
+            time.sleep(LATE_S)
+            bufs[i].fill_(7 + i)
+            ends.wait(issue(bufs[i]), timeout_s=TIMEOUT_S, what="send", peer=None)
+        return {}
+    seen: dict[str, object] = {"name": ends.name}
+    p = TwinPlatform(torch.device("cpu"))
+    side = p.new_stream()
+    # 1. a receive: its future is done at enqueue; only is_completed() tells
+    work = issue(bufs[0])
+    assert isinstance(work, TwinWork)
+    seen["enqueued"] = (work.get_future().done(), work.is_completed())
+    # 2. a side stream ordered after it runs what it is handed only after it ended
+    read: list[list[int]] = []
+    with p.use(side):
+        ends.order_after(work)  # device-side: the host does not wait
+        p.run_on(side, lambda: read.append(bufs[0].tolist()))
+        event = p.record_event(side)
+    seen["before_end"] = (list(read), event.query())
+    ends.wait(work, timeout_s=TIMEOUT_S, what="receive", peer=None)  # the host polls
+    event.synchronize()
+    seen["after_end"] = (read[0], work.consumed)
+    # 3. the engine's stream made to wait on an unconsumed receive: counted, and
+    #    the host (the main stream's stand-in) blocks until it ended
+    work = issue(bufs[1])
+    before = STATS.engine_waits_unconsumed
+    work.get_future().wait()
+    seen["main_wait"] = (STATS.engine_waits_unconsumed - before, work.is_completed(),
+                         bufs[1].tolist(), MAIN.main)
+    # 4. abort: a receive that will never end ends with an error, and a stream
+    #    ordered after it moves on
+    work = issue(bufs[2])
+    with p.use(side):
+        work.wait()
+        event = p.record_event(side)
+    ends.abort(group)
+    event.synchronize()
+    seen["aborted"] = (work.is_completed(), str(work.exception()), event.query())
+    keep_until_exit(group)  # gloo's own receive stays pending until exit
+    return seen
+
+
+def test_the_twin_behaves_as_nccl_reports_its_works() -> None:
+    seen = spawn_ranks(_twin_rank, 2, timeout_s=TIMEOUT_S)[0]
+    assert seen["name"] == "stream-ordered (twin of nccl)"
+    assert seen["enqueued"] == (True, False)  # future done, transfer pending
+    assert seen["before_end"] == ([], False)  # the side stream had not run its work
+    assert seen["after_end"] == ([7, 7, 7, 7], True)  # ... it read the data, after the end
+    assert seen["main_wait"] == (1, True, [8, 8, 8, 8], True)
+    aborted = seen["aborted"]
+    assert isinstance(aborted, tuple)
+    assert aborted[0] and aborted[2] and "aborted" in aborted[1]
