@@ -362,6 +362,7 @@ class PathBase:
             if abandoned:
                 ends.abort(self.group)  # stream-ordered: no stream waits on them forever
                 keep_until_exit(self.group)
+            self.codec.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
 

@@ -115,6 +115,9 @@ class Platform:
         with self.use(stream):
             fn()
 
+    def close_stream(self, stream: Any) -> None:
+        """A side stream made by :meth:`new_stream` is no longer used."""
+
     def before_send(self, main: Any) -> None:
         """What the last rank does to the main stream before it sends."""
 

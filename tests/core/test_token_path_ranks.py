@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import decode_view
+from twin_mode import Mode, check_engine_stream, in_mode, mode_group
 
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
@@ -45,16 +46,18 @@ KNOBS: dict[str, object] = {
 }
 
 
-def _path(config: SyncConfig) -> TokenPath:
+def _path(config: SyncConfig, mode: Mode = "gloo") -> TokenPath:
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
-    return TokenPath(config, group)
+    return TokenPath(config, mode_group(group, mode))
 
 
 def _workload_rank(
-    config: SyncConfig, env: RankEnv
+    config: SyncConfig, mode: Mode, env: RankEnv
 ) -> tuple[RankReport, WorkloadConfig]:
     wcfg = workload_config(config, steps=STEPS, seed=SEED, **KNOBS)
-    return run_sync_rank(_path(config), wcfg), wcfg
+    report = run_sync_rank(_path(config, mode), wcfg)
+    check_engine_stream(mode)
+    return report, wcfg
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +113,7 @@ def _survey(wcfg: WorkloadConfig) -> Survey:
 
 
 # (P, K, D, max_num_reqs, wire); D = 0 stands for "pp_size" (the default).
-CASES = [
+CASES: list[tuple[int, int, int, int, WireMode]] = [
     (2, 0, 0, 8, "fixed"),
     (2, 3, 1, 64, "exact"),
     (2, 3, 0, 64, "fixed"),
@@ -120,24 +123,31 @@ CASES = [
     (4, 3, 0, 8, "fixed"),
     (4, 0, 1, 64, "exact"),
 ]
+MODE_CASES: list[tuple[int, int, int, int, WireMode, Mode]] = [
+    *[(p, k, d, m, w, "gloo") for p, k, d, m, w in CASES],
+    # the CPU twin of NCCL: device frames, fixed wire
+    (2, 0, 0, 8, "fixed", "twin"),
+    (3, 3, 1, 8, "fixed", "twin"),
+    (3, 3, 0, 64, "fixed", "twin"),
+]
 
 
 @pytest.mark.parametrize(
-    ("pp_size", "spec", "ring_depth", "max_num_reqs", "wire"),
-    CASES,
-    ids=[f"P{p}-K{k}-D{d or p}-M{m}-{w}" for p, k, d, m, w in CASES],
+    ("pp_size", "spec", "ring_depth", "max_num_reqs", "wire", "mode"),
+    MODE_CASES,
+    ids=[f"P{p}-K{k}-D{d or p}-M{m}-{w}-{c}" for p, k, d, m, w, c in MODE_CASES],
 )
 def test_workload_arrives_exactly_once(
-    pp_size: int, spec: int, ring_depth: int, max_num_reqs: int, wire: WireMode
+    pp_size: int, spec: int, ring_depth: int, max_num_reqs: int, wire: WireMode, mode: Mode
 ) -> None:
-    config = SyncConfig.build(
+    config = in_mode(SyncConfig.build(
         pp_size=pp_size,
         max_num_reqs=max_num_reqs,
         num_speculative_steps=spec,
         ring_depth=ring_depth or None,
         timeout_s=TIMEOUT_S,
         wire=wire,
-    )
+    ), mode)
     depth = config.depth
     wcfg = workload_config(config, steps=STEPS, seed=SEED, **KNOBS)
     assert (wcfg.ring_depth, wcfg.num_speculative_steps) == (depth, spec)
@@ -153,7 +163,7 @@ def test_workload_arrives_exactly_once(
     assert survey.transfers > 0, survey
 
     results = spawn_ranks(
-        functools.partial(_workload_rank, config), pp_size, timeout_s=TIMEOUT_S
+        functools.partial(_workload_rank, config, mode), pp_size, timeout_s=TIMEOUT_S
     )
     reports = [r for r, _ in results]
     for _, rank_wcfg in results:

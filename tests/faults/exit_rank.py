@@ -2,7 +2,8 @@
 process (not a fork of the test), configured by the environment, that leaves
 through the interpreter's normal exit, never ``os._exit``.
 
-Arguments: MODE (sync, asyncio, trio) VICTIM HOW (kill, stop) PORT GROUP_TIMEOUT_S.
+Arguments: MODE (sync, asyncio, trio; twin-MODE on the CPU twin of NCCL) VICTIM
+HOW (kill, stop) PORT GROUP_TIMEOUT_S.
 The world's store, which also holds the failure board, is served by the test
 process at 127.0.0.1:PORT. At step ``FAULT_AT`` the victim SIGKILLs or
 SIGSTOPs itself; a survivor prints one JSON line saying what it caught and
@@ -26,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: helpers
 from helpers import engine_step, sync_engine_step
 from torch._C._distributed_c10d import PrefixStore, TCPStore
+from twin_mode import Mode, in_mode, mode_group
 
 from ppsync.core.groups import token_group
 from ppsync.core.liveness import FailureBoard
@@ -70,6 +72,9 @@ async def _async(config: SyncConfig, group: dist.ProcessGroup, board: FailureBoa
 
 def main() -> None:
     mode, victim, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    # "twin-<mode>": the token group behaves as NCCL's (tests/twin_mode.py)
+    completion: Mode = "twin" if mode.startswith("twin-") else "gloo"
+    mode = mode.removeprefix("twin-")
     port, group_timeout = int(sys.argv[4]), float(sys.argv[5])
     rank = int(os.environ["RANK"])
     store = TCPStore("127.0.0.1", port, is_master=False,
@@ -81,6 +86,8 @@ def main() -> None:
                               timeout_s=TIMEOUT_S)
     # the token group's own timeout may exceed the token path's (an engine's choice)
     group = token_group(dist.group.WORLD, timeout_s=group_timeout)  # type: ignore[arg-type]
+    mode_group(group, completion)
+    config = in_mode(config, completion)
     board = FailureBoard(store, ranks=list(range(PP_SIZE)), me=rank)
     try:
         if mode == "sync":

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from fault_fuzz_calls import OUTPUT_BAD, VIEW_BAD
 from fault_fuzz_inputs import Bad, collect, replace_field
+from twin_mode import Mode, check_engine_stream, mode_group
 
 from ppsync.compat.vllm import PPHandler
 from ppsync.core.batch import BatchView
@@ -47,15 +48,27 @@ VARIANTS: list[dict[str, str]] = [
     {"codec": "host", "host_kernels": "numba"},
     {"codec": "device", "device_kernels": "torch"},
     {"codec": "device", "device_kernels": "triton"},  # in Triton's interpreter
+    # the device codec on the CPU twin of NCCL (tests/twin_mode.py)
+    {"codec": "device", "device_kernels": "torch", "emulate": "nccl"},
+    {"codec": "device", "device_kernels": "triton", "emulate": "nccl"},
 ]
-"""SyncConfig fields of each codec variant; the first is the reference."""
+"""SyncConfig fields of each codec variant (and "emulate": the token group
+behaves as NCCL's); the first is the reference."""
 
 
-def _variants() -> list[object]:
+def _split(variant: dict[str, str]) -> tuple[dict[str, str], Mode]:
+    """(the SyncConfig fields, the completion mode) of a variant."""
+    fields = {k: v for k, v in variant.items() if k != "emulate"}
+    return fields, "twin" if "emulate" in variant else "gloo"
+
+
+def _variants(*, twin: bool = True) -> list[object]:
     """The variants after the reference, as test parameters: one whose
     library cannot be loaded here is skipped, saying why."""
     out: list[object] = []
     for v in VARIANTS[1:]:
+        if "emulate" in v and not twin:
+            continue
         why = triton_error() if v.get("device_kernels") == "triton" else None
         marks = [pytest.mark.skip(reason=f"Triton cannot be loaded ({why}); "
                                   "install ppsync[triton]")] if why else []
@@ -186,11 +199,13 @@ def _uses(path: TokenPath, variant: dict[str, str]) -> None:
 
 
 def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
+    fields, mode = _split(variant)
     config = SyncConfig.build(pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=k,
-                              timeout_s=TIMEOUT_S, **variant)
+                              timeout_s=TIMEOUT_S, **fields)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-    path = TokenPath(config, group, board=None)
-    _uses(path, variant)
+    path = TokenPath(config, mode_group(group, mode), board=None)
+    _uses(path, fields)
+    assert path.completion.stream_ordered == (mode == "twin")
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64) if k else None
     steps, bads, seen = _schedule(k, seed), _bad_calls(), Seen()
     for t in range(STEPS + 2):
@@ -232,6 +247,7 @@ def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
         path.close()
     except PPSyncError as e:
         seen.errors.append((STEPS + 2, type(e).__name__, str(e)))
+    check_engine_stream(mode)
     return seen
 
 
@@ -349,7 +365,7 @@ class _Batch:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("interface", ["0.32", "0.33"])
-@pytest.mark.parametrize("variant", _variants())
+@pytest.mark.parametrize("variant", _variants(twin=False))
 def test_the_vllm_adapter_gives_the_same_outputs_with_every_codec(
         interface: str, variant: dict[str, str]) -> None:
     ref = spawn_ranks(functools.partial(_adapter_rank, VARIANTS[0], interface, 5), 2,

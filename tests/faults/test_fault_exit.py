@@ -85,6 +85,10 @@ CASES = [
     pytest.param("trio", 0, "kill", 30.0, id="trio-kill0"),
     pytest.param("asyncio", 0, "stop", 30.0, id="asyncio-stop0"),
     pytest.param("trio", 2, "stop", 30.0, id="trio-stop-last"),
+    # the CPU twin of NCCL: the middle rank killed or stopped
+    pytest.param("twin-sync", 1, "kill", 30.0, id="twin-sync-kill1"),
+    pytest.param("twin-sync", 1, "stop", 30.0, id="twin-sync-stop1"),
+    pytest.param("twin-asyncio", 1, "stop", 30.0, id="twin-asyncio-stop1"),
 ]
 
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import decode_view, engine_step
+from twin_mode import Mode, in_mode, mode_group
 
 from ppsync.core.groups import token_group
 from ppsync.errors import PeerLost
@@ -107,9 +108,9 @@ async def _engine(
 
 
 def _cancel_rank(
-    config: SyncConfig, stops: list[Stop], backend: Backend, env: RankEnv
+    config: SyncConfig, stops: list[Stop], backend: Backend, mode: Mode, env: RankEnv
 ) -> CancelReport:
-    group = _group(config)
+    group = mode_group(_group(config), mode)
     before = _threads()
     try:
         result, left = anyio.run(_engine, config, group, stops[env.rank], backend=backend)
@@ -133,22 +134,27 @@ PLANS: dict[str, list[Stop]] = {
     # pending on a receiver that stopped
     "p2-receiver-first": [Stop(20, 2.0), Stop(MAX_STEPS, 0.8)],
 }
-CANCEL_CASES: list[tuple[str, Backend]] = [
-    ("last-first", "asyncio"),
-    ("receivers-first", "trio"),
-    ("p2-receiver-first", "asyncio"),
-    ("last-first", "trio"),
+CANCEL_CASES: list[tuple[str, Backend, Mode]] = [
+    ("last-first", "asyncio", "gloo"),
+    ("receivers-first", "trio", "gloo"),
+    ("p2-receiver-first", "asyncio", "gloo"),
+    ("last-first", "trio", "gloo"),
+    ("last-first", "asyncio", "twin"),
+    ("p2-receiver-first", "trio", "twin"),
 ]
 
 
-@pytest.mark.parametrize(("plan", "backend"), CANCEL_CASES)
-def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend) -> None:
+@pytest.mark.parametrize(("plan", "backend", "mode"), CANCEL_CASES)
+def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend,
+                                                   mode: Mode) -> None:
     stops = PLANS[plan]
     pp_size = len(stops)
-    config = SyncConfig.build(pp_size=pp_size, max_num_reqs=16, timeout_s=TIMEOUT_S)
+    config = in_mode(SyncConfig.build(pp_size=pp_size, max_num_reqs=16, timeout_s=TIMEOUT_S),
+                     mode)
     # spawn_ranks returning at all means no rank hung inside open_rank
     results = spawn_ranks(
-        functools.partial(_cancel_rank, config, stops, backend), pp_size, timeout_s=TIMEOUT_S
+        functools.partial(_cancel_rank, config, stops, backend, mode), pp_size,
+        timeout_s=TIMEOUT_S
     )
     for rank, (stop, r) in enumerate(zip(stops, results, strict=True)):
         assert r.by in ("steps", "deadline") or r.by.startswith("left:"), (rank, r)

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch.distributed as dist
+from twin_mode import Mode, check_engine_stream, in_mode, mode_group
 
 from ppsync.core.groups import token_group
 from ppsync.harness.driver import Backend, run_async_rank_blocking, workload_config
@@ -39,38 +40,45 @@ KNOBS: dict[str, object] = {
 
 
 
-def _delivery_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> RankReport:
+def _delivery_rank(config: SyncConfig, backend: Backend, mode: Mode,
+                   env: RankEnv) -> RankReport:
     # as ppsync.harness.run._rank does: a token group, a failure board in the
     # parent's store, the anyio services under anyio.run on ``backend``
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
+    mode_group(group, mode)
     wcfg = workload_config(config, steps=STEPS, seed=SEED, **KNOBS)
-    return run_async_rank_blocking(config, group, wcfg, backend, env.failure_board(group))
+    report = run_async_rank_blocking(config, group, wcfg, backend, env.failure_board(group))
+    check_engine_stream(mode)
+    return report
 
 
-# (P, K, D or 0 for pp_size, backend)
-CASES: list[tuple[int, int, int, Backend]] = [
-    (2, 0, 0, "asyncio"),
-    (2, 3, 0, "trio"),
-    (2, 3, 1, "asyncio"),
-    (3, 0, 0, "trio"),
-    (3, 3, 0, "asyncio"),
+# (P, K, D or 0 for pp_size, backend, completion mode)
+CASES: list[tuple[int, int, int, Backend, Mode]] = [
+    (2, 0, 0, "asyncio", "gloo"),
+    (2, 3, 0, "trio", "gloo"),
+    (2, 3, 1, "asyncio", "gloo"),
+    (3, 0, 0, "trio", "gloo"),
+    (3, 3, 0, "asyncio", "gloo"),
+    (2, 3, 0, "trio", "twin"),
+    (3, 3, 0, "asyncio", "twin"),
+    (3, 0, 1, "trio", "twin"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("pp_size", "spec", "ring_depth", "backend"),
+    ("pp_size", "spec", "ring_depth", "backend", "mode"),
     CASES,
-    ids=[f"P{p}-K{k}-D{d or p}-{b}" for p, k, d, b in CASES],
+    ids=[f"P{p}-K{k}-D{d or p}-{b}-{m}" for p, k, d, b, m in CASES],
 )
 def test_async_services_deliver_exactly_once(
-    pp_size: int, spec: int, ring_depth: int, backend: Backend
+    pp_size: int, spec: int, ring_depth: int, backend: Backend, mode: Mode
 ) -> None:
-    config = SyncConfig.build(
+    config = in_mode(SyncConfig.build(
         pp_size=pp_size, max_num_reqs=16, num_speculative_steps=spec,
         ring_depth=ring_depth or None, timeout_s=TIMEOUT_S,
-    )
+    ), mode)
     reports = spawn_ranks(
-        functools.partial(_delivery_rank, config, backend), pp_size, timeout_s=TIMEOUT_S
+        functools.partial(_delivery_rank, config, backend, mode), pp_size, timeout_s=TIMEOUT_S
     )
 
     assert [r.rank for r in reports] == list(range(pp_size))

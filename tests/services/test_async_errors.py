@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import decode_view
+from twin_mode import Mode, in_mode, mode_group
 
 from ppsync.core.groups import token_group
 from ppsync.harness.driver import Backend
@@ -191,21 +192,22 @@ def _threads() -> list[str]:
     return sorted(f"{t.name}:{t.ident}" for t in threading.enumerate())
 
 
-def _silence_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> Silence:
-    group = _group(config)
+def _silence_rank(config: SyncConfig, backend: Backend, mode: Mode, env: RankEnv) -> Silence:
+    group = mode_group(_group(config), mode)
     before = _threads()
     main = _silent_last if env.rank == config.pp_size - 1 else _waiting_receiver
     kind, message, after_s = anyio.run(main, config, group, backend=backend)
     return Silence(kind, message, after_s, before, _threads())
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_silent_peer_is_a_sync_timeout_within_timeout_s(backend: Backend) -> None:
-    config = SyncConfig.build(
+@pytest.mark.parametrize(("backend", "mode"), [("asyncio", "gloo"), ("trio", "gloo"),
+                                             ("asyncio", "twin"), ("trio", "twin")])
+def test_silent_peer_is_a_sync_timeout_within_timeout_s(backend: Backend, mode: Mode) -> None:
+    config = in_mode(SyncConfig.build(
         pp_size=2, max_num_reqs=MAX_NUM_REQS, ring_depth=1, timeout_s=SHORT_TIMEOUT_S
-    )
+    ), mode)
     receiver, last = spawn_ranks(
-        functools.partial(_silence_rank, config, backend), 2, timeout_s=TIMEOUT_S
+        functools.partial(_silence_rank, config, backend, mode), 2, timeout_s=TIMEOUT_S
     )
     assert last.kind == "", last
     assert receiver.kind == "SyncTimeout", receiver

@@ -49,6 +49,9 @@ from ppsync.errors import ConfigError
 EMULATED = ("nccl",)
 """What ``--emulate`` accepts (XCCL's works behave as NCCL's)."""
 
+STOP_S = 2.0
+"""Longest a token path's close waits for its stand-in stream's thread to end."""
+
 HANG_S = 600.0
 """How long a stand-in stream waits on a transfer before it reports that it
 would hang forever (a GPU's stream would; the twin must end its tests)."""
@@ -198,17 +201,29 @@ class TwinStream:
         self.after: list[TwinWork] = []  # frames' transfers it is ordered after (see _order_after)
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         if not main:
-            threading.Thread(target=self._run, name=f"ppsync-twin-{name}", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, name=f"ppsync-twin-{name}",
+                                            daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         while True:
             fn = self._queue.get()
+            if fn is _STOP:
+                return
             try:
                 fn()
             except Exception as e:  # sticky, as a device error is
                 if self.error is None:
                     self.error = e
+
+    def stop(self) -> None:
+        """End the stream's thread once it ran what it was handed (a token
+        path's close; a transfer it still waits on ends at the group's abort)."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(STOP_S)
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -267,6 +282,10 @@ class TwinStream:
                 STATS.where.append("".join(traceback.format_stack(limit=8)[:-2]))
 
 
+def _STOP() -> None:
+    """Queued by :meth:`TwinStream.stop`: the thread returns."""
+
+
 def _reached(event: TwinEvent) -> None:
     if not event._reached.wait(HANG_S):
         raise RuntimeError("a stream waited on an event that was never reached")
@@ -322,6 +341,9 @@ class TwinPlatform(Platform):
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
         stream.submit(fn)
+
+    def close_stream(self, stream: Any) -> None:
+        stream.stop()
 
 
 class TwinBroadcaster(Broadcaster):

@@ -98,6 +98,9 @@ class StepCodec(Protocol):
     def reuse(self, buf: torch.Tensor) -> None:
         """``buf``'s transfer completed and nothing reads it any more."""
 
+    def close(self) -> None:
+        """The path closed: nothing is issued or released any more."""
+
 
 
 def frames_on_device(codec: str) -> bool:

@@ -143,6 +143,10 @@ class DeviceCodec:
         if head.staging is not None:
             self._free_stages.append(self._stages[id(head.staging)])
 
+    def close(self) -> None:
+        """The side stream is no longer used (a stand-in stream's thread ends)."""
+        self.platform.close_stream(self.side)
+
     def reuse(self, buf: torch.Tensor) -> None:
         """``buf``'s transfer completed: a sent frame returns to the pool once
         its verdict was read too; a skipped receive's at once."""

@@ -94,5 +94,8 @@ class HostCodec:
     def skip(self, head: PendingStep) -> None:
         """Nothing to give back: the buffer returns once its transfer completed."""
 
+    def close(self) -> None:
+        """Nothing to end: the host codec keeps no stream."""
+
     def reuse(self, buf: torch.Tensor) -> None:
         self.buffers.give(buf)
