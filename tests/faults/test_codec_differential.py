@@ -74,6 +74,7 @@ Record = tuple[object, ...]
 class Seen:
     released: dict[int, Record] = field(default_factory=dict)  # receivers, step -> record
     errors: list[tuple[int, str, str]] = field(default_factory=list)  # (step, type, message)
+    table_kept: list[bool] = field(default_factory=list)  # per raising consume: table as it was
 
 
 def _record(out: object, table: torch.Tensor | None) -> Record:
@@ -196,10 +197,13 @@ def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
     for t in range(STEPS + 2):
         step = steps[t] if t < STEPS else None
         if not path.is_last:
+            before = None if table is None else table.clone()
             try:
                 seen.released[t] = _record(path.consume(table), table)
             except PPSyncError as e:
                 seen.errors.append((t, type(e).__name__, str(e)))
+                kept = table is None or before is None or bool(torch.equal(table, before))
+                seen.table_kept.append(kept)
         if step is None:
             continue
         for slot in step.frees:
@@ -272,6 +276,7 @@ def test_every_codec_releases_what_the_reference_releases(k: int,
     # receivers: every consume alike, but where the last rank's bad value was
     # sent: the receiver raises on it (naming the same value) at that consume
     # instead of releasing the corrected resend
+    assert all(got_recv.table_kept), got_recv.errors  # a raising consume leaves the table
     ref_err = {t: (ty, m) for t, ty, m in ref_recv.errors}
     got_err = {t: (ty, m) for t, ty, m in got_recv.errors}
     assert not ref_err, ref_err
