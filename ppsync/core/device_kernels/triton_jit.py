@@ -18,8 +18,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+PACK_RUNTIME = ("buf_ptr", "stage_ptr", "fw_ptr", "tok_ptr", "ns_ptr", "nr_ptr", "dr_ptr",
+                "verdict_ptr", "n", "w", "tok_s0", "tok_s1", "ns_s", "nr_s", "dr_s0", "dr_s1")
+RELEASE_RUNTIME = ("buf_ptr", "stage_ptr", "fw_ptr", "tok_ptr", "cnt_ptr", "idx_ptr", "dr_ptr",
+                   "tab_ptr", "verdict_ptr", "n", "w", "kept", "expect", "tab_s0", "tab_s1")
+"""Each kernel's per-step arguments, none specialized on: Triton would
+otherwise compile a variant per value class (an int == 1 becomes a constant,
+one divisible by 16 and a pointer aligned to 16 bytes get an attribute), so
+a new row count, width or view offset would compile mid-serving.
+``do_not_specialize`` drops both for a pointer too (Triton 3.9's
+``native_specialize_impl``); ``do_not_specialize_on_alignment`` drops the
+alignment only. What remains in a kernel's key: the constexprs (the flags)
+and the pointers' dtypes."""
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PACK_RUNTIME)
 def pack_frame(
     buf_ptr, stage_ptr, fw_ptr, tok_ptr, ns_ptr, nr_ptr, dr_ptr, verdict_ptr,
     n, w, tok_s0, tok_s1, ns_s, nr_s, dr_s0, dr_s1,
@@ -73,7 +86,7 @@ def pack_frame(
     tl.store(verdict_ptr, verdict)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RELEASE_RUNTIME)
 def check_release(
     buf_ptr, stage_ptr, fw_ptr, tok_ptr, cnt_ptr, idx_ptr, dr_ptr, tab_ptr, verdict_ptr,
     n, w, kept, expect, tab_s0, tab_s1,
