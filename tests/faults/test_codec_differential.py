@@ -7,6 +7,9 @@ What "the same" means, field by field:
 - every released step: the same ``ReleasedStep`` fields, values, dtypes and
   None-ness (``draft_tokens`` None exactly when the frame had no drafts),
   the same draft table after every consume, the same steps returning None;
+  a consume that raises leaves the table as it was, on every codec (here
+  the bad frames carry no drafts; tests/faults/test_codec_draft_table.py
+  raises on frames with drafts);
 - every bad input (the fuzz tests' bad sampler outputs, bad batch views and
   bad drafts): the same error type, naming the same thing, at the same call;
   except, as docs/design.md section 7 documents, a device codec's bad
