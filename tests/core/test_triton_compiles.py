@@ -1,15 +1,16 @@
 """The Triton kernels compile for a GPU, here, without one: Triton's
 compiler takes each kernel through TTIR, TTGIR, LLVM IR and PTX to a cubin
-for CUDA sm_90 (an H100 / H200), with the constants the Triton set launches
-it with. The interpreter (the other tests) runs the kernels' logic; this
-catches what only the compiler checks (types, loop bounds, masks)."""
+for CUDA sm_90 (an H100 / H200), launched as the Triton set launches it,
+through the kernel's own ``run`` (tests/core/triton_variants.py). The
+interpreter (the other tests) runs the kernels' logic; this catches what
+only the compiler checks (types, loop bounds, masks), and counts the
+variants: one per flag combination, all compiled by the set's warm-up."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,56 +21,46 @@ pytestmark = pytest.mark.skipif(
     triton_error() is not None,
     reason=f"Triton cannot be loaded ({triton_error()}): install ppsync[triton]")
 
-SCRIPT = textwrap.dedent("""
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from ppsync.core.device_kernels.triton_set import TritonKernels
-    from ppsync.core.frame.device_frames import DeviceFrameCodec
-    from ppsync.schemas.config import SyncConfig
-
-    TARGET = GPUTarget("cuda", 90, 32)
-
-    def compile_(fn, types, consts):
-        sig = {**types, **{k: "constexpr" for k in consts}}
-        assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
-        at = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=at), target=TARGET)
-        assert kernel.asm["cubin"], fn.__name__
-        print("compiled", fn.__name__, consts.get("K"), flush=True)
-
-    p, i32, i64 = "*i64", "i32", "i64"
-    for k in (0, 3):
-        config = SyncConfig.build(pp_size=2, max_num_reqs=256, num_speculative_steps=k)
-        ks = TritonKernels(DeviceFrameCodec(config, torch.device("cpu")))
-        common, release = ks._common, ks._release
-        for drafts in ((False, True) if k else (False,)):
-            pack_types = dict(buf_ptr=p, stage_ptr=p, fw_ptr=p, tok_ptr=p, ns_ptr="*i32",
-                              nr_ptr="*i32", dr_ptr=p, verdict_ptr=p, n=i32, w=i32,
-                              tok_s0=i32, tok_s1=i32, ns_s=i32, nr_s=i32, dr_s0=i32,
-                              dr_s1=i32)
-            compile_(ks.pack_kernel, pack_types,
-                     dict(L=common["L"], K=common["K"], HAS_DRAFTS=drafts,
-                          **{n: common[n] for n in ("HW", "BOUNDS", "FACTS", "FLAG_BAD",
-                                                    "BR", "BW")}))
-            release_types = dict(buf_ptr=p, stage_ptr=p, fw_ptr=p, tok_ptr=p, cnt_ptr="*i32",
-                                 idx_ptr=p, dr_ptr=p, tab_ptr="*i32", verdict_ptr=p, n=i32,
-                                 w=i32, kept=i32, expect=i32, tab_s0=i32, tab_s1=i32)
-            compile_(ks.release_kernel, release_types,
-                     dict(L=common["L"], K=common["K"], HAND_DRAFTS=drafts, HAS_TABLE=drafts,
-                          **{n: common[n] for n in ("HW", "BOUNDS", "FACTS")},
-                          **{n: release[n] for n in ("IDX_OUT", "KEPT_SLOTS", "KEPT_ROWS")},
-                          FLAG_BAD=common["FLAG_BAD"], FLAG_DRAFTS=release["FLAG_DRAFTS"],
-                          BR=common["BR"], BW=common["BW"], BK=release["BK"]))
-""")
+VARIANTS = Path(__file__).with_name("triton_variants.py")
 
 
-@pytest.mark.timeout(300)
-def test_both_kernels_compile_to_a_cubin_for_sm_90(tmp_path: Path) -> None:
+def _variants(mode: str, tmp_path: Path) -> str:
     env = {"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
            "TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         timeout=240, env={**os.environ, **env})
+    run = subprocess.run([sys.executable, str(VARIANTS), mode], capture_output=True, text=True,
+                         timeout=560, env={**os.environ, **env})
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count("compiled pack_frame") == 3, run.stdout
-    assert run.stdout.count("compiled check_release") == 3, run.stdout
+    return run.stdout
+
+
+def _keys(out: str) -> dict[str, int]:
+    return {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1])
+            for line in out.splitlines() if line.startswith("keys ")}
+
+
+@pytest.mark.timeout(120)
+def test_one_specialization_key_per_flag_combination(tmp_path: Path) -> None:
+    """Issue 26 item 5: across n in {1, 15, 16, 17, 63, 64, 65, 4096,
+    16384}, widths 1 and L, every expectation, and views at aligned and
+    unaligned offsets, each flag combination the codec launches (K = 0 / 3,
+    drafts absent / int32 / int64, num_sampled's and num_rejected's dtypes,
+    a table absent / int32 / int64) has one specialization key: Triton's
+    own binder and key, nothing compiled."""
+    out = _variants("count", tmp_path)
+    keys = _keys(out)
+    assert "combinations 21" in out, out
+    assert len(keys) == 21 and set(keys.values()) == {1}, keys
+
+
+@pytest.mark.timeout(600)
+def test_the_warm_up_compiles_every_variant_and_launches_compile_nothing(
+        tmp_path: Path) -> None:
+    """The set's warm-up compiles one cubin for sm_90 per flag combination
+    (16 pack, 5 release over K = 0 and 3); then every launch above hits
+    those variants: the kernels' caches do not grow."""
+    out = _variants("compile", tmp_path)
+    assert "warm_up K=0 variants 5" in out and "warm_up K=3 variants 16" in out, out
+    assert "cached pack_frame 16" in out and "cached check_release 5" in out, out
+    assert "cached_after pack_frame 16" in out and "cached_after check_release 5" in out, out
+    assert out.count("compile_s ") == 21, out
+    assert "missed 0" in out, out  # no launch missed the warm-up's variants

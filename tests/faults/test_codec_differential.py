@@ -7,6 +7,9 @@ What "the same" means, field by field:
 - every released step: the same ``ReleasedStep`` fields, values, dtypes and
   None-ness (``draft_tokens`` None exactly when the frame had no drafts),
   the same draft table after every consume, the same steps returning None;
+  a consume that raises leaves the table as it was, on every codec (here
+  the bad frames carry no drafts; tests/faults/test_codec_draft_table.py
+  raises on frames with drafts);
 - every bad input (the fuzz tests' bad sampler outputs, bad batch views and
   bad drafts): the same error type, naming the same thing, at the same call;
   except, as docs/design.md section 7 documents, a device codec's bad
@@ -87,6 +90,7 @@ Record = tuple[object, ...]
 class Seen:
     released: dict[int, Record] = field(default_factory=dict)  # receivers, step -> record
     errors: list[tuple[int, str, str]] = field(default_factory=list)  # (step, type, message)
+    table_kept: list[bool] = field(default_factory=list)  # per raising consume: table as it was
 
 
 def _record(out: object, table: torch.Tensor | None) -> Record:
@@ -211,10 +215,13 @@ def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
     for t in range(STEPS + 2):
         step = steps[t] if t < STEPS else None
         if not path.is_last:
+            before = None if table is None else table.clone()
             try:
                 seen.released[t] = _record(path.consume(table), table)
             except PPSyncError as e:
                 seen.errors.append((t, type(e).__name__, str(e)))
+                kept = table is None or before is None or bool(torch.equal(table, before))
+                seen.table_kept.append(kept)
         if step is None:
             continue
         for slot in step.frees:
@@ -288,6 +295,7 @@ def test_every_codec_releases_what_the_reference_releases(k: int,
     # receivers: every consume alike, but where the last rank's bad value was
     # sent: the receiver raises on it (naming the same value) at that consume
     # instead of releasing the corrected resend
+    assert all(got_recv.table_kept), got_recv.errors  # a raising consume leaves the table
     ref_err = {t: (ty, m) for t, ty, m in ref_recv.errors}
     got_err = {t: (ty, m) for t, ty, m in got_recv.errors}
     assert not ref_err, ref_err

@@ -57,6 +57,7 @@ class TorchKernels:
         self._flag_bad = flag_bad.to(dev)
         self._neg1 = torch.full((lay.max_num_reqs, max(lay.sample_width, lay.num_drafts)), -1,
                                 dtype=torch.int64, device=dev)
+        self._m1 = self._neg1[0, 0]  # [] -1: what a failed frame hands out
 
     def _facts(self, stage: torch.Tensor, n: int) -> torch.Tensor:
         return stage[Staging.facts(n)].view(n, 2)
@@ -118,15 +119,22 @@ class TorchKernels:
         if expect_drafts is not None:
             v = v + (has != expect_drafts) * V_DRAFTS
         verdict.copy_(v)
-        out.tokens.copy_(rows[:, : out.tokens.shape[1]])
-        out.counts.copy_(counts.t())
-        out.idx_mapping.copy_(stage[st.idx_out : st.idx_out + n])
+        # a frame that fails its check releases nothing: every row excluded,
+        # num_sampled 0, tokens and drafts -1, the table as it was; chosen on
+        # the device (no host sync): the error comes when the verdict is read
+        ok = v == 0
+        m1 = self._m1
+        torch.where(ok, rows[:, : out.tokens.shape[1]], m1, out=out.tokens)
+        out.counts.copy_(torch.where(ok, counts.t(), self._zeros[0]))
+        torch.where(ok, stage[st.idx_out : st.idx_out + n], m1, out=out.idx_mapping)
         if out.drafts is None:
             return
-        out.drafts.copy_(rows[:, L + 2 : L + 2 + K])
+        torch.where(ok, rows[:, L + 2 : L + 2 + K], m1, out=out.drafts)
         if table is not None and kept:
-            # rule 4: kept rows only; a frame without drafts leaves the table
+            # rule 4: kept rows only; a frame without drafts, or failed, leaves
+            # the table: its kept rows are written back as they were (torch
+            # ops cannot skip the write without reading the verdict on the host)
             slots = stage[st.kept_slots : st.kept_slots + kept]
             picked = out.drafts.index_select(0, stage[st.kept_rows : st.kept_rows + kept])
-            table.index_copy_(0, slots, torch.where(has, picked.to(table.dtype),
+            table.index_copy_(0, slots, torch.where(has & ok, picked.to(table.dtype),
                                                     table.index_select(0, slots)))

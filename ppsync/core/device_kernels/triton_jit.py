@@ -18,8 +18,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+PACK_RUNTIME = ("buf_ptr", "stage_ptr", "fw_ptr", "tok_ptr", "ns_ptr", "nr_ptr", "dr_ptr",
+                "verdict_ptr", "n", "w", "tok_s0", "tok_s1", "ns_s", "nr_s", "dr_s0", "dr_s1")
+RELEASE_RUNTIME = ("buf_ptr", "stage_ptr", "fw_ptr", "tok_ptr", "cnt_ptr", "idx_ptr", "dr_ptr",
+                   "tab_ptr", "verdict_ptr", "n", "w", "kept", "expect", "tab_s0", "tab_s1")
+"""Each kernel's per-step arguments, none specialized on: Triton would
+otherwise compile a variant per value class (an int == 1 becomes a constant,
+one divisible by 16 and a pointer aligned to 16 bytes get an attribute), so
+a new row count, width or view offset would compile mid-serving.
+``do_not_specialize`` drops both for a pointer too (Triton 3.9's
+``native_specialize_impl``); ``do_not_specialize_on_alignment`` drops the
+alignment only. What remains in a kernel's key: the constexprs (the flags)
+and the pointers' dtypes."""
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PACK_RUNTIME)
 def pack_frame(
     buf_ptr, stage_ptr, fw_ptr, tok_ptr, ns_ptr, nr_ptr, dr_ptr, verdict_ptr,
     n, w, tok_s0, tok_s1, ns_s, nr_s, dr_s0, dr_s1,
@@ -73,7 +86,7 @@ def pack_frame(
     tl.store(verdict_ptr, verdict)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RELEASE_RUNTIME)
 def check_release(
     buf_ptr, stage_ptr, fw_ptr, tok_ptr, cnt_ptr, idx_ptr, dr_ptr, tab_ptr, verdict_ptr,
     n, w, kept, expect, tab_s0, tab_s1,
@@ -82,9 +95,11 @@ def check_release(
     KEPT_SLOTS: tl.constexpr, KEPT_ROWS: tl.constexpr, FLAG_BAD: tl.constexpr,
     FLAG_DRAFTS: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
 ):
-    """A receiver's step: check the frame against this rank's view and
+    """A receiver's step: check the frame against this rank's view, then
     release it (tokens, counts, idx_mapping, drafts; kept drafts into the
-    table). ``expect``: 1 / 0 the frame must (not) have drafts, -1 either."""
+    table): two passes over the rows, so the verdict is whole before the
+    first write; a frame that fails releases no token and writes no table.
+    ``expect``: 1 / 0 the frame must (not) have drafts, -1 either."""
     W: tl.constexpr = L + 4 + K
     c = tl.arange(0, BW)[None, :]
     hc = tl.arange(0, HW)
@@ -101,6 +116,7 @@ def check_release(
     bad_rows = tl.zeros([BR], dtype=tl.int64)
     bad_ns = tl.zeros([BR], dtype=tl.int64)
     bad_nr = tl.zeros([BR], dtype=tl.int64)
+    # pass 1: the check, reduced to the verdict before anything is released
     for r0 in range(0, n, BR):
         rows = r0 + tl.arange(0, BR)
         rm = rows < n
@@ -118,13 +134,6 @@ def check_release(
         nrv = tl.sum(tl.where(c == L + 1, val, 0), axis=1)
         bad_ns |= (rm & ((nsv < 0) | (nsv > max_ns))).to(tl.int64)
         bad_nr |= (rm & ((nrv < 0) | (nrv > max_nr))).to(tl.int64)
-        tl.store(tok_ptr + r * w + c, val, mask=rm2 & (c < w))
-        tl.store(cnt_ptr + rows, nsv.to(tl.int32), mask=rm)
-        tl.store(cnt_ptr + n + rows, nrv.to(tl.int32), mask=rm)
-        tl.store(idx_ptr + rows, tl.load(stage_ptr + IDX_OUT + rows, mask=rm, other=0), mask=rm)
-        if HAND_DRAFTS:
-            in_dr = (c >= L + 2) & (c < L + 2 + K)
-            tl.store(dr_ptr + r * K + (c - (L + 2)), val, mask=rm2 & in_dr)
     csum = tl.sum(tl.sum(acc, axis=1), axis=0) + tl.sum(head * hw, axis=0)
     bad_frame |= tl.max(bad_rows, axis=0) | (csum != sent_csum).to(tl.int64)
     has = ((flags & FLAG_DRAFTS) != 0).to(tl.int64)
@@ -132,9 +141,29 @@ def check_release(
                + tl.max(bad_ns, axis=0) + 2 * tl.max(bad_nr, axis=0)
                + ((expect >= 0) & (has != expect)).to(tl.int64) * 16)
     tl.store(verdict_ptr, verdict)
+    # pass 2: the release; a failed frame releases nothing (every row
+    # excluded, num_sampled 0, tokens and drafts -1, no table write)
+    ok = verdict == 0
+    for r0 in range(0, n, BR):
+        rows = r0 + tl.arange(0, BR)
+        rm = rows < n
+        r = rows[:, None]
+        rm2 = rm[:, None]
+        val = tl.load(buf_ptr + HW + r * W + c, mask=rm2 & (c < W), other=0)
+        nsv = tl.sum(tl.where(c == L, val, 0), axis=1)
+        nrv = tl.sum(tl.where(c == L + 1, val, 0), axis=1)
+        val = tl.where(ok, val, -1)
+        tl.store(tok_ptr + r * w + c, val, mask=rm2 & (c < w))
+        tl.store(cnt_ptr + rows, tl.where(ok, nsv, 0).to(tl.int32), mask=rm)
+        tl.store(cnt_ptr + n + rows, tl.where(ok, nrv, 0).to(tl.int32), mask=rm)
+        idx = tl.load(stage_ptr + IDX_OUT + rows, mask=rm, other=0)
+        tl.store(idx_ptr + rows, tl.where(ok, idx, -1), mask=rm)
+        if HAND_DRAFTS:
+            in_dr = (c >= L + 2) & (c < L + 2 + K)
+            tl.store(dr_ptr + r * K + (c - (L + 2)), val, mask=rm2 & in_dr)
     if HAS_TABLE:
         d = tl.arange(0, BK)[None, :]
-        upto = kept * has  # a frame without drafts leaves the table as it was
+        upto = kept * has * ok.to(tl.int64)  # without drafts, or failed: no write
         for k0 in range(0, upto, BR):
             ks = k0 + tl.arange(0, BR)
             km = (ks < upto)[:, None] & (d < K)

@@ -202,6 +202,68 @@ def test_a_receivers_other_view_is_a_frame_verdict(kernels: str) -> None:
     assert release(ks, dev, buf, view)[0] == V_FRAME
 
 
+def assert_released_nothing(out: Outputs, table: torch.Tensor | None,
+                            before: torch.Tensor | None) -> None:
+    """A failed frame's release: every row excluded, num_sampled and
+    num_rejected 0, tokens and drafts -1, the draft table byte-identical."""
+    assert out.counts.dtype == torch.int32
+    assert (out.counts == 0).all(), out.counts
+    assert (out.tokens == -1).all(), out.tokens
+    assert (out.idx_mapping == -1).all(), out.idx_mapping
+    assert out.drafts is None or (out.drafts == -1).all(), out.drafts
+    if table is not None:
+        assert before is not None
+        assert table.dtype == before.dtype
+        assert table.numpy().tobytes() == before.numpy().tobytes()
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(("failure", "bit"), [
+    ("header", V_FRAME), ("checksum", V_FRAME), ("payload", V_FRAME), ("view", V_FRAME),
+    ("num_sampled", V_NUM_SAMPLED | V_FLAGGED), ("num_rejected", V_NUM_REJECTED | V_FLAGGED),
+    ("drafts", V_DRAFTS),
+])
+def test_a_failed_check_releases_no_token(kernels: str, dtype: torch.dtype, failure: str,
+                                          bit: int) -> None:
+    """Issue 26 item 4 / issue 27 finding 2: a frame with drafts whose check
+    fails hands out no token and leaves the caller's draft table as it was
+    (the host codec raises before releasing; the device verdict is read a
+    call later)."""
+    k, n = 2, 6
+    config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k)
+    dev = DeviceFrameCodec(config, CPU)
+    ks = kernel_set(kernels, dev)
+    view, tokens, ns, nr, drafts = _step(k, n, k + 1, seed=9)
+    if failure in ("num_sampled", "num_rejected"):
+        (ns if failure == "num_sampled" else nr)[4] = -1
+    buf, _ = pack(ks, dev, view, dev.layout.flags(True), tokens, ns, nr, drafts)
+    mine, expect = view, True
+    if failure == "header":
+        buf[2] ^= 1 << 3
+    elif failure == "checksum":
+        buf[HEADER_WORDS - 1] += 1
+    elif failure == "payload":
+        buf[HEADER_WORDS + 3 * dev.layout.row_width + 1] ^= 1 << 20
+    elif failure == "view":
+        assert view.computed_np is not None and view.slot_need_np is not None
+        mine = FrameView(view.seq, n, view.idx_digest, view.slot_need_np, view.computed_np + 1)
+    elif failure == "drafts":
+        expect = False
+    table = torch.arange(16 * k, dtype=dtype).reshape(16, k) - 100
+    before = table.clone()
+    keep = np.arange(n) % 2 == 0
+    verdict, out = release(ks, dev, buf, mine, keep, expect, table)
+    assert verdict == bit
+    assert_released_nothing(out, table, before)
+    # the same frame intact, against the same view: released, table written
+    if failure in ("header", "checksum", "payload", "view"):
+        good, _ = pack(ks, dev, view, dev.layout.flags(True), tokens, ns, nr, drafts)
+        verdict, out = release(ks, dev, good, view, keep, True, table)
+        assert verdict == 0 and (out.idx_mapping >= 0).any()
+        assert not np.array_equal(table.numpy(), before.numpy())
+
+
 def test_meta_checks_do_not_read_values_but_name_the_field() -> None:
     t = torch.zeros(3, 2, dtype=torch.int64)
     ns = torch.full((3,), 99, dtype=torch.int32)  # out of range: not looked at here
@@ -309,7 +371,10 @@ def test_both_kernel_sets_agree_on_every_frame_release_and_verdict(
     for ks in sets:
         table = (None if case["table"] is None or not k
                  else torch.full((16, k), -5, dtype=case["table"]))
+        before = None if table is None else table.clone()
         v, out = release(ks, dev, buf.clone(), mine, case["keep"], case["expect"], table)
+        if v:  # a failed check releases no token and leaves the table
+            assert_released_nothing(out, table, before)
         got.append((v, [None if t is None else t.numpy().tolist()
                         for t in (out.tokens, out.counts, out.idx_mapping, out.drafts, table)]))
     assert got[0] == got[1], (case["corrupt"], got[0][0], got[1][0])
