@@ -182,7 +182,7 @@ _BY_NAME: dict[str, type[Platform]] = {"cpu": Platform, "cuda": CudaPlatform,
 def _built(kind: str) -> bool:
     """Whether this torch was built with ``kind`` (cuda / xpu) support."""
     if kind == "cuda":
-        return bool(torch.backends.cuda.is_built())
+        return torch.version.cuda is not None or torch.version.hip is not None
     xpu = getattr(torch, "xpu", None)
     return bool(xpu is not None and xpu._is_compiled())
 
@@ -215,7 +215,7 @@ def platform_for(device: torch.device | str | None, name: str | None = None) -> 
     built with it, no device visible, an index out of range), before
     anything else."""
     dev = torch.device("cpu" if device is None else device)
-    for kind in sorted({dev.type, name} & {"cuda", "xpu"}):
+    for kind in sorted({dev.type, name or dev.type} & {"cuda", "xpu"}):
         check_accelerator(kind, dev.index if kind == dev.type else None)
     mod = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu") else None
     if dev.index is None and mod is not None and mod.is_available():
