@@ -63,6 +63,8 @@ def _groups_rank(env: RankEnv) -> tuple[list[int], list[str], float]:
     handler = PPHandler(8, 0, CPU, group=mine, timeout_s=env.timeout_s)
     tok = handler.token_path.group
     again = token_group_in_layout(mine, layout, timeout_s=env.timeout_s)
+    with pytest.raises(ConfigError, match=r"PP group \[\d, \d\] is not a group of layout"):
+        token_group_in_layout(mine, [[0, 1], [2, 3]], timeout_s=env.timeout_s)  # before any
     total = torch.tensor([float(env.rank)])
     dist.all_reduce(total, group=tok)
     handler.close()
