@@ -67,10 +67,10 @@ compose-test: wheelhouse
 
 # On a GPU machine, with a CUDA build of torch in $(VENV) (create the venv and
 # `pip install torch` first: a venv that has a torch keeps it). Checks the device
-# path (README "GPU check"); exits 2 where there is no CUDA. Bounded at 5 minutes.
+# path (README "GPU check"); exits 2 where there is no CUDA. Bounded at 8 minutes.
 # Triton's kernels compiled for the GPU, not its interpreter (the tests' default)
 gpu-check: $(STAMP)
-	TRITON_INTERPRET=0 timeout 300 $(PY) -m ppsync.bench.gpu_check
+	TRITON_INTERPRET=0 timeout 480 $(PY) -m ppsync.bench.gpu_check
 
 # Before switching to ppsync's vLLM handler (not part of `make test`): runs the
 # vLLM of $(VLLM_VENV) twice at pipeline_parallel_size 2 on a small dummy model,

@@ -20,7 +20,9 @@ from ppsync.core import (
     batch_view_of,
     need_sampled_mask,
     pipeline_layout,
+    strided_layout,
     token_group,
+    token_group_in_layout,
     token_groups,
 )
 from ppsync.errors import (
@@ -66,6 +68,8 @@ __all__ = [
     "need_sampled_mask",
     "open_rank",
     "pipeline_layout",
+    "strided_layout",
     "token_group",
+    "token_group_in_layout",
     "token_groups",
 ]

@@ -17,18 +17,22 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import get_args
 
+import torch
 import torch.distributed as dist
 
 from ppsync.core.completion import EMULATED, StreamOrdered
+from ppsync.core.device_kernels import resolve_device_kernels
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.frame.codec import check_frames
+from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import DeviceKernelsName, HostKernelsName, SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.report import RunReport
 
@@ -65,6 +69,12 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--codec", choices=["host", "device"], default="host",
                     help="frame codec: host (numpy, the CPU default) or device (torch ops, "
                     "checks deferred one step; runs on CPU tensors here)")
+    la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
+                    help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
+                    "CUDA/XPU where it imports, else torch; default auto)")
+    la.add_argument("--host-kernels", choices=get_args(HostKernelsName), default="auto",
+                    help="the host codec's kernels: numba, numpy or auto (numba where it "
+                    "loads, else numpy; default auto)")
     la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
@@ -207,10 +217,18 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
         timeout_s=args.timeout,
         wire=args.wire,
         codec=args.codec,
+        device_kernels=args.device_kernels,
+        host_kernels=args.host_kernels,
         flight_events=args.flight_events,
     )
     if args.emulate is not None:  # before any rank starts
         check_frames(config, StreamOrdered(), f"gloo emulating {args.emulate}")
+    # a kernel set named outright that cannot run here: a bad argument (exit 2)
+    # before any rank starts ("auto" always resolves)
+    if config.host_kernels != "auto":
+        resolve_host_kernels(config)
+    if config.codec == "device" and config.device_kernels != "auto":
+        resolve_device_kernels(config, torch.device(getattr(args, "device", "cpu")))
     return config
 
 

@@ -19,11 +19,27 @@ c) with >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, the workload with exact
    (tokens, counts, drafts: three broadcasts); median µs per step.
 d) a receive pending on a late peer (the last rank publishes 3 s late) does
    not hold the receiver's main stream: work queued on it after post()
-   completes long before the frame arrives (NCCL with >= 2 GPUs, else gloo).
+   completes long before the frame arrives (NCCL with >= 2 GPUs, else gloo),
+   through the sync API (TokenPath.post) and the async services (open_rank,
+   ReceiveService.post).
 e) per step, per role, on GPU 0: host µs on the calling thread and device µs
    between events for vLLM's GPU scheme (the seeds' calls), the device codec
    with torch ops and with Triton (ppsync.bench.gpu_steps), K = 0 and 3,
    every token-path call under sync debug "error".
+
+f) the premise of stream-ordered completion, printed: on a one-rank NCCL
+   group, a broadcast issued behind a long kernel on the current stream:
+   its future's done() and work.is_completed() right after the call
+   (expected: done at enqueue, not completed).
+g) the engine overwrites its sampler tensors in place right after each
+   publish (a long kernel before it, so a side stream would still be
+   behind): receivers get the original values every step (two ranks on
+   GPU 0 over gloo; over NCCL with >= 2 GPUs).
+h) Triton's compiled variants of each kernel stay flat across row counts
+   1, 15, 16, 17, 63, 64, 65, 4096, 16384 (SKIP without Triton).
+i) with >= 2 GPUs: the last rank SIGKILLs itself over NCCL; every survivor
+   raises an error naming it within timeout_s + 1 s.
+(f-i and d's async half: ppsync.bench.gpu_stream_checks.)
 
 a and c run the workload once per device kernel set (torch ops; Triton,
 compiled, where it imports: run with TRITON_INTERPRET unset or 0).
@@ -31,8 +47,8 @@ compiled, where it imports: run with TRITON_INTERPRET unset or 0).
 Prints one table; exits 0 when every check passed, 1 when any failed, and 2
 without running anything where there is no CUDA device (a check that ran
 nothing must not read as a pass). Each check is bounded; the whole run
-takes about 1-2 minutes and at most 5 (``make gpu-check`` also wraps it in
-``timeout 300``).
+takes a few minutes and at most 8 (``make gpu-check`` also wraps it in
+``timeout 480``).
 """
 
 from __future__ import annotations
@@ -53,6 +69,13 @@ import torch.distributed as dist
 
 from ppsync.bench.codec_cpu import in_fresh_process
 from ppsync.bench.gpu_steps import format_timing, time_schemes
+from ppsync.bench.gpu_stream_checks import (
+    check_f,
+    check_g,
+    check_h,
+    check_i,
+    late_peer_async_rank,
+)
 from ppsync.core.batch import BatchView
 from ppsync.core.device_kernels import triton_error
 from ppsync.core.groups import token_group
@@ -294,12 +317,15 @@ def check_c(steps: int, gpus: int) -> tuple[bool, str]:
 
 def check_d(gpus: int) -> tuple[bool, str]:
     backend = "nccl" if gpus >= 2 else "gloo"
-    res = spawn_ranks(functools.partial(_late_peer_rank, backend, 3.0), 2, timeout_s=TIMEOUT_S,
-                      start_method="spawn")
-    main_s, delivered = res[0]["main_s"], res[0]["delivered"]
-    ok = main_s < 1.5 and delivered
-    return ok, (f"{backend}: main stream done {main_s:.2f} s after post() "
-                f"(peer 3 s late), frame delivered={delivered}")
+    ok, parts = True, []
+    for api, rank_fn in (("sync", _late_peer_rank), ("async", late_peer_async_rank)):
+        res = spawn_ranks(functools.partial(rank_fn, backend, 3.0), 2, timeout_s=TIMEOUT_S,
+                          start_method="spawn")
+        main_s, delivered = res[0]["main_s"], res[0]["delivered"]
+        ok &= main_s < 1.5 and delivered
+        parts.append(f"{api}: main stream done {main_s:.2f} s after post(), "
+                     f"delivered={delivered}")
+    return ok, f"{backend}, peer 3 s late; " + "; ".join(parts)
 
 
 def check_e() -> tuple[bool, str]:
@@ -330,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         if gpus >= 2 else ("c) P ranks over NCCL", "SKIP", f"{gpus} GPU: needs >= 2", 0.0),
         _run("d) late peer, main stream not held", lambda: check_d(gpus)),
         _run("e) per step: seeds vs device/torch vs device/triton", check_e),
+        _run("f) 1-rank NCCL: future done vs is_completed", check_f),
+        _run("g) overwrite after publish, receivers get originals", lambda: check_g(gpus)),
+        _run("h) Triton variants flat across row counts", check_h)
+        if triton_error() is None else ("h) Triton variants flat across row counts", "SKIP",
+                                        f"Triton cannot be loaded ({triton_error()})", 0.0),
+        _run("i) kill -9 of the last rank over NCCL", lambda: check_i(gpus))
+        if gpus >= 2 else ("i) kill -9 of the last rank over NCCL", "SKIP",
+                           f"{gpus} GPU: needs >= 2", 0.0),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"{'check':<{width}}  result  {'s':>5}  detail")

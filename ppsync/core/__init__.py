@@ -12,7 +12,13 @@ from ppsync.core.frame.codec import StepCodec
 from ppsync.core.frame.device_frames import DeviceFrameCodec
 from ppsync.core.frame.host_frames import FrameCodec
 from ppsync.core.generations import GenerationTable
-from ppsync.core.groups import pipeline_layout, token_group, token_groups
+from ppsync.core.groups import (
+    pipeline_layout,
+    strided_layout,
+    token_group,
+    token_group_in_layout,
+    token_groups,
+)
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
@@ -43,7 +49,9 @@ __all__ = [
     "need_sampled_mask",
     "pipeline_layout",
     "platform_for",
+    "strided_layout",
     "token_group",
+    "token_group_in_layout",
     "token_groups",
     "validate_batch",
 ]

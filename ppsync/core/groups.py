@@ -5,14 +5,23 @@ never serialize behind the hidden-state send/recv between stages. Groups are
 always passed in: nothing here reaches for a global group except where a
 caller asks for the default one explicitly.
 
-Two ways to make it:
+Creating a group is collective over the whole world in torch (``new_group``:
+every world rank enters it, groups in one order on every rank); on a world
+initialized eagerly on NCCL (``init_process_group(device_id=...)``) a subgroup
+is an ``ncclCommSplit`` of the world's communicator, which every world rank
+must call, non-members included (docs/design.md §2, rule 6). So token groups
+are made the way vLLM makes its own groups: every world rank creates every PP
+group's token group, in one order.
 
-- :func:`token_group` from one PP group, using
-  ``new_group(..., use_local_synchronization=True)``: only the members take
-  part, so an object handed a single PP group (the vLLM adapter) can do it.
-- :func:`token_groups` from a whole layout (e.g. tensor x pipeline): every
-  world rank calls it, and it creates every PP group's token group in one
-  order, as a plain ``new_group`` requires.
+- :func:`token_group_in_layout`: this rank's token group, given every PP
+  group of the world (the layout); every world rank calls it.
+- :func:`strided_layout`: that layout under vLLM's convention, from the world
+  size and one PP group's ranks (what the vLLM adapter is handed).
+- :func:`token_groups`: a whole layout's PP groups and token groups.
+- :func:`token_group` from one PP group alone: collective over the members
+  only (``use_local_synchronization=True``), or over the world when the PP
+  group is the world; refused where it would be an NCCL/XCCL split of an
+  eagerly initialized world.
 """
 
 from __future__ import annotations
@@ -29,18 +38,107 @@ def _timeout(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_s)
 
 
+def splits_world(backend: str | None) -> bool:
+    """True where a new group with ``backend`` (None: the default group's) is
+    made by splitting the world's communicator: the world was initialized
+    eagerly (bound to a device) and the group is not gloo-only. Then every
+    world rank must take part in creating it (see the module docstring)."""
+    world = dist.group.WORLD
+    if world is None or getattr(world, "bound_device_id", None) is None:
+        return False
+    return str(dist.Backend(backend or dist.get_backend())) != "gloo"
+
+
 def token_group(
     pp_group: dist.ProcessGroup, *, timeout_s: float, backend: str | None = None
 ) -> dist.ProcessGroup:
-    """A new group with ``pp_group``'s ranks; collective over its members only.
-    ``backend``: None = the default group's (e.g. "gloo" for host frames in a
-    world whose default backend is nccl)."""
+    """A new group with ``pp_group``'s ranks, for a caller that knows only its
+    own PP group. ``backend``: None = the default group's (e.g. "gloo" for
+    host frames in a world whose default backend is nccl).
+
+    When ``pp_group`` is the whole world, every world rank is a member and
+    calls it: a plain ``new_group``. Otherwise it is collective over the
+    members only (``use_local_synchronization=True``), so the other PP
+    groups' ranks need not call it; that is refused with ConfigError where
+    the world was initialized eagerly and the group would be an NCCL/XCCL
+    split (non-members must call ``ncclCommSplit`` too: members would hang):
+    there, every world rank calls :func:`token_group_in_layout`."""
     ranks = dist.get_process_group_ranks(pp_group)
+    world_size = dist.get_world_size()
+    if len(ranks) == world_size:
+        whole: dist.ProcessGroup | None = dist.new_group(
+            ranks, timeout=_timeout(timeout_s), backend=backend)
+        assert whole is not None  # every rank is a member
+        return whole
+    if splits_world(backend):
+        raise ConfigError(
+            f"token_group: PP group {ranks} is {len(ranks)} of {world_size} world ranks and the "
+            "world was initialized with device_id (eager NCCL/XCCL), where a subgroup is a "
+            "communicator split every world rank must call: call token_group_in_layout("
+            "pp_group, layout) on every world rank (layout: every PP group, e.g. "
+            "strided_layout(world_size, pp_ranks)), or pass backend='gloo'"
+        )
     group: dist.ProcessGroup | None = dist.new_group(
         ranks, timeout=_timeout(timeout_s), backend=backend, use_local_synchronization=True
     )
     assert group is not None  # this rank is a member of pp_group
     return group
+
+
+def token_group_in_layout(
+    pp_group: dist.ProcessGroup, layout: Sequence[Sequence[int]], *, timeout_s: float,
+    backend: str | None = None,
+) -> dist.ProcessGroup:
+    """This rank's token group, made the way vLLM makes its own groups: every
+    PP group of ``layout`` gets its token group, in layout order, on every
+    world rank (a plain ``new_group`` each; a rank outside a group takes part
+    in its creation too, as an NCCL split of an eagerly initialized world
+    requires). ``pp_group`` must be this rank's group of ``layout``.
+
+    Collective over the whole world: every world rank must call it, with the
+    same layout, at the same point of its start-up."""
+    check_layout(layout, dist.get_world_size())
+    ranks = dist.get_process_group_ranks(pp_group)
+    if [sorted(g) for g in layout].count(sorted(ranks)) != 1:
+        raise ConfigError(f"PP group {ranks} is not a group of layout "
+                          f"{[list(g) for g in layout]}")
+    mine: dist.ProcessGroup | None = None
+    for members in layout:
+        group = dist.new_group(list(members), timeout=_timeout(timeout_s), backend=backend)
+        if sorted(members) == sorted(ranks):
+            mine = group
+    assert mine is not None  # check_layout and the check above put this rank in one group
+    return mine
+
+
+def strided_layout(world_size: int, pp_ranks: Sequence[int]) -> list[list[int]]:
+    """Every PP group of a world laid out as vLLM lays it out, from the world
+    size and one PP group's (global) ranks.
+
+    vLLM orders the world as ExternalDP x DP x PP x PCP x TP, the last fastest
+    (``initialize_model_parallel``), so a PP group steps through its ranks by
+    one stride (PCP x TP) and the groups are those starting at every rank
+    whose PP coordinate is 0. ConfigError where ``pp_ranks`` is not evenly
+    spaced or the world does not hold whole blocks of pp_size x stride."""
+    ranks = sorted(pp_ranks)
+    pp = len(ranks)
+    if pp == 0 or len(set(ranks)) != pp:
+        raise ConfigError(f"pp_ranks = {list(pp_ranks)} must be distinct ranks, at least one")
+    stride = ranks[1] - ranks[0] if pp > 1 else 1
+    if ranks != [ranks[0] + s * stride for s in range(pp)]:
+        raise ConfigError(
+            f"pp_ranks = {ranks} are not evenly spaced, as vLLM's layout spaces a PP group "
+            "(pass the layout explicitly)")
+    if world_size % (pp * stride):
+        raise ConfigError(
+            f"world_size = {world_size} is not a multiple of pp_size x stride = {pp} x "
+            f"{stride}, as vLLM's layout makes it (pass the layout explicitly)")
+    layout = [[base + s * stride for s in range(pp)]
+              for base in range(world_size) if (base // stride) % pp == 0]
+    if ranks not in layout:
+        raise ConfigError(f"pp_ranks = {ranks} is not a PP group of vLLM's layout {layout} "
+                          "(pass the layout explicitly)")
+    return layout
 
 
 def group_facts(group: dist.ProcessGroup) -> tuple[int, int, list[int], str]:

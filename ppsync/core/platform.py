@@ -189,10 +189,44 @@ _BY_NAME: dict[str, type[Platform]] = {"cpu": Platform, "cuda": CudaPlatform,
                                         "xpu": XpuPlatform}
 
 
+def _built(kind: str) -> bool:
+    """Whether this torch was built with ``kind`` (cuda / xpu) support."""
+    if kind == "cuda":
+        return torch.version.cuda is not None or torch.version.hip is not None
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu._is_compiled())
+
+
+def check_accelerator(kind: str, index: int | None = None) -> None:
+    """ConfigError unless this torch can run on ``kind`` (cuda / xpu) device
+    ``index`` (None: any): built with it, a device visible, the index in range.
+    Without it, the first stream or event call would fail later with a raw
+    RuntimeError, after peers may have started a collective."""
+    if not _built(kind):
+        raise ConfigError(f"device {kind}: this torch ({torch.__version__}) was built without "
+                          f"{kind.upper()} support; install a {kind.upper()} build of torch or "
+                          "use device cpu")
+    mod = getattr(torch, kind)
+    if not mod.is_available():
+        raise ConfigError(f"device {kind}: torch.{kind}.is_available() is False: no {kind} "
+                          "device is visible to this process (drivers, "
+                          f"{'CUDA' if kind == 'cuda' else 'ZE_AFFINITY_MASK / XPU'} "
+                          "visible devices)")
+    count = int(mod.device_count())
+    if index is not None and not 0 <= index < count:
+        raise ConfigError(f"device {kind}:{index}: index out of range; {count} {kind} "
+                          f"device(s) are visible (0..{count - 1})")
+
+
 def platform_for(device: torch.device | str | None, name: str | None = None) -> Platform:
     """The platform of ``device`` (default CPU); ``name`` overrides the choice
-    (one of cpu, cuda, xpu). ConfigError for an unknown name or device type."""
+    (one of cpu, cuda, xpu). ConfigError for an unknown name or device type,
+    and for a cuda / xpu device or platform that this torch cannot run (not
+    built with it, no device visible, an index out of range), before
+    anything else."""
     dev = torch.device("cpu" if device is None else device)
+    for kind in sorted({dev.type, name or dev.type} & {"cuda", "xpu"}):
+        check_accelerator(kind, dev.index if kind == dev.type else None)
     mod = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu") else None
     if dev.index is None and mod is not None and mod.is_available():
         # "cuda" means the current device: tensors report "cuda:N", and the

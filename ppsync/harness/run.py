@@ -85,7 +85,8 @@ def format_table(report: RunReport) -> str:
     verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt" if report.ok else "FAULTS"
     lines.append(
         f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
-        f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec} mode={report.mode} "
-        f"-> {verdict}"
+        f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec} "
+        f"host_kernels={c.host_kernels} device_kernels={c.device_kernels} "
+        f"mode={report.mode} -> {verdict}"
     )
     return "\n".join(lines)

@@ -41,7 +41,7 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     assert re.match(r"\s*0\s+0 receiver\s+60 ", lines[1]), lines[1]
     assert re.match(r"\s*1\s+0 last\s+60 ", lines[2]), lines[2]
     assert re.search(r"world=2 pp_size=2 K=2 D=2 max_num_reqs=8 wire=fixed codec=host "
-                     r"mode=sync -> OK",
+                     r"host_kernels=auto device_kernels=auto mode=sync -> OK",
                      lines[3])
 
     report = RunReport.model_validate_json(path.read_text())
@@ -86,7 +86,8 @@ def test_launch_async_reports_async_mode(
     argv = ["launch", "--pp-size", "2", "--steps", "40", "--max-num-reqs", "8", "--wire",
             "exact", "--async", backend, "--timeout", "20", "--report", str(path)]
     assert main(argv) == 0
-    assert re.search(r"wire=exact codec=host mode=async -> OK", capsys.readouterr().out)
+    assert re.search(r"wire=exact codec=host host_kernels=auto device_kernels=auto "
+                     r"mode=async -> OK", capsys.readouterr().out)
     report = RunReport.model_validate_json(path.read_text())
     assert report.mode == "async" and report.ok
     assert report.ranks[0].rows_delivered == report.ranks[0].rows_expected > 0
@@ -128,8 +129,8 @@ def test_missing_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def _report(**faults: int) -> RunReport:
     config = SyncConfig.build(pp_size=2, max_num_reqs=8)
     return RunReport(config=config, steps=10, seed=0, ranks=[
-        RankReport(rank=0, role="receiver", steps=10, transfers=4, rows_expected=8,
-                   rows_delivered=8, **faults),
+        RankReport.model_validate({"rank": 0, "role": "receiver", "steps": 10, "transfers": 4,
+                                   "rows_expected": 8, "rows_delivered": 8, **faults}),
         RankReport(rank=1, role="last", steps=10, transfers=4, rows_sent=8),
     ])
 

@@ -60,7 +60,7 @@ from ppsync.compat.vllm.versions import (
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView
 from ppsync.core.frame.codec import StepDrafts, default_codec, frames_home
-from ppsync.core.groups import token_group
+from ppsync.core.groups import strided_layout, token_group_in_layout
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
 from ppsync.core.released import ReleasedStep
@@ -92,9 +92,12 @@ class PPHandler:
 
     ``group`` is the PP group (None: the default group, passed explicitly
     here, never looked up further down). The handler makes its own token
-    group with the same ranks (rule 6 of docs/design.md), collectively over
-    the PP group's members only, so every member must construct its handler
-    at the same point. ``ring_depth`` is D (None: pp_size, or what
+    group with the same ranks (rule 6 of docs/design.md) the way vLLM makes
+    its groups: every world rank creates every PP group's token group, in
+    one order, so every world rank must construct its handler at the same
+    point (vLLM's workers all do); ``layout``: every PP group of the world
+    (None: vLLM's layout, derived from the world size and ``group``'s ranks,
+    ppsync.core.groups.strided_layout). ``ring_depth`` is D (None: pp_size, or what
     :meth:`default_ring_depth` says); ``timeout_s``
     bounds every wait; ``interface``: the vLLM interface served (see
     ppsync.compat.vllm.versions; None: the installed vLLM's), which picks
@@ -140,6 +143,7 @@ class PPHandler:
         codec: Literal["host", "device"] | None = None,
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
+        layout: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
             raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "
@@ -174,7 +178,10 @@ class PPHandler:
         # the device codec's frames live on the engine's device: its backend
         # (nccl on CUDA, xccl on XPU); host frames go over gloo
         backend, platform = frames_home(codec, platform_for(self.device))
-        tokens = token_group(pp_group, timeout_s=config.timeout_s, backend=backend)
+        if layout is None:
+            layout = strided_layout(dist.get_world_size(), dist.get_process_group_ranks(pp_group))
+        tokens = token_group_in_layout(pp_group, layout, timeout_s=config.timeout_s,
+                                       backend=backend)
         self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,
                                platform=platform)
         self._aux = AuxRelay()

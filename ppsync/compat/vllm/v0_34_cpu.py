@@ -10,6 +10,7 @@ interface."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -38,6 +39,8 @@ class PPHandler034Cpu(PPHandler023):
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
+        layout: Sequence[Sequence[int]] | None = None,
     ) -> None:
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
-                         timeout_s=timeout_s, interface=interface, board=board, codec=codec)
+                         timeout_s=timeout_s, interface=interface, board=board, codec=codec,
+                         layout=layout)

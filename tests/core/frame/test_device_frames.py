@@ -280,14 +280,34 @@ def test_meta_checks_do_not_read_values_but_name_the_field() -> None:
 def test_platform_is_chosen_from_the_device_and_can_be_overridden() -> None:
     assert type(platform_for(None)) is Platform
     assert platform_for("cpu").backend == "gloo"
-    cuda = platform_for("cuda:1")
-    assert isinstance(cuda, CudaPlatform) and cuda.backend == "nccl"
-    xpu = platform_for("xpu")
-    assert isinstance(xpu, XpuPlatform) and xpu.backend == "xccl"
-    assert xpu.sync_main_before_send and xpu.ring_depth_hint == 1
-    assert type(platform_for("cuda", "cpu")) is Platform
+    assert CudaPlatform.backend == "nccl" and XpuPlatform.backend == "xccl"
+    assert XpuPlatform.sync_main_before_send and XpuPlatform.ring_depth_hint == 1
     with pytest.raises(ConfigError, match=r"platform = 'tpu' .* must be one of cpu, cuda, xpu"):
         platform_for("cpu", "tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_device_gets_the_cuda_platform() -> None:
+    cuda = platform_for("cuda")
+    assert isinstance(cuda, CudaPlatform) and cuda.device.index is not None
+    assert type(platform_for("cuda", "cpu")) is Platform
+    n = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=rf"device cuda:{n}: index out of range; {n} cuda"):
+        platform_for(f"cuda:{n}")
+
+
+@pytest.mark.parametrize(("device", "name", "kind"),
+                         [("cuda", None, "cuda"), ("cuda:1", None, "cuda"), ("xpu", None, "xpu"),
+                          ("cuda", "cpu", "cuda"), ("cpu", "cuda", "cuda"), ("cpu", "xpu", "xpu")])
+def test_a_device_this_torch_cannot_run_is_refused_by_name(
+        device: str, name: str | None, kind: str) -> None:
+    if getattr(torch, kind).is_available():
+        pytest.skip(f"this machine has a {kind} device")
+    built = (torch.version.cuda is not None if kind == "cuda" else torch.xpu._is_compiled())
+    why = "was built without" if not built else r"is_available\(\) is False"
+    with pytest.raises(ConfigError, match=rf"device {kind}: .*{why}"):
+        platform_for(device, name)
 
 
 def test_cpu_platform_stream_calls_are_no_ops() -> None:
