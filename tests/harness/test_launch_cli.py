@@ -186,3 +186,40 @@ def test_launch_world_not_a_multiple_of_pp_size_exits_2(
 ) -> None:
     assert _exit_code(["launch", "--pp-size", "2", "--world-size", "3", "--steps", "5"]) == 2
     assert re.search(r"pp_size = 2 must divide world_size = 3", capsys.readouterr().err)
+
+
+def test_launch_on_the_cpu_twin_of_nccl_reports_the_engine_stream_waits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["launch", "--pp-size", "2", "--steps", "60", "--spec", "2", "--max-num-reqs", "8",
+            "--timeout", "20", "--codec", "device", "--emulate", "nccl", "--quiet"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "stream-ordered (twin of nccl): engine-stream waits on transfers not yet consumed" \
+        in out, out
+    waits = re.findall(r"rank (\d): (\d+) unconsumed, (\d+) at consume", out)
+    assert [(r, u) for r, u, _ in waits] == [("0", "0"), ("1", "0")], out
+    assert int(waits[0][2]) > 0 and waits[1][2] == "0", out  # the receiver waits at consume
+    assert out.strip().endswith("-> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"), out
+
+
+def test_unconsumed_waits_on_the_twin_fail_the_run(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _report().model_copy(update={"ranks": [
+        r.model_copy(update={"engine_waits_unconsumed": 2 if r.rank == 0 else 0,
+                             "engine_waits_consumed": 0, "completion": "stream-ordered"})
+        for r in _report().ranks]})
+    assert not report.ok
+    assert "rank 0: 2 unconsumed, 0 at consume" in format_table(report)
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--emulate", "nccl"], r"codec = 'host' frames are host buffers"),
+    (["--emulate", "nccl", "--codec", "device", "--wire", "exact"], r"wire = 'exact'"),
+    (["--emulate", "gloo"], r"argument --emulate: invalid choice"),
+])
+def test_emulate_without_device_frames_on_a_fixed_wire_exits_2(
+    flags: list[str], match: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _exit_code(["launch", "--pp-size", "2", "--steps", "10", *flags]) == 2
+    assert re.search(match, capsys.readouterr().err)
