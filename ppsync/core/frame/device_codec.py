@@ -8,27 +8,31 @@ to the device in one copy (a staging buffer, see
 ppsync.core.frame.layout.Staging), the verdict comes back in one copy, and a
 receiver allocates the tensors it hands out. Frame buffers are taken from a
 pool and given back once their transfer completed and their verdict was
-read. Tensors made on one stream and read on the other are held (the
-sampler's outputs until the step's event completed) or made on the stream
-that uses them, so no ``record_stream`` is needed.
+read. Tensors made on one stream and read on the other are made on the
+stream that uses them, so no ``record_stream`` is needed.
 
-Last rank, per step: the side stream waits on the main stream (the sampler's
-outputs are ready), then packs the frame on the side stream, copies the
-verdict to its host slot without blocking, issues the broadcast (XPU first
-synchronizes the main stream), and records the step's event. The host reads
-the verdict at its next call once the event completed (``query()``, never a
+Last rank, per step: the frame is packed on the current stream, the one that
+made the sampler's outputs, before the call returns (the engine may then
+write those tensors in place); the verdict is copied to its host slot
+without blocking; the side stream waits on the current one, issues the
+broadcast (XPU first synchronizes the main stream), is ordered after the
+collective where the group's semantics allow it without a host wait
+(ppsync.core.completion), and records the step's event. The host reads the
+verdict at its next call once the event completed (``query()``, never a
 synchronize); a bad one raises BatchError there, one step late; the frame
 already carried FLAG_BAD_VALUES to the receivers.
 
 Receivers: the receive is issued on the side stream after it waits on the
-main stream. At consume the outputs are allocated on the main stream, the
-side stream waits on the main stream and for the transfer (NCCL / XCCL:
-device-side, ``work.wait()``; gloo: the host observes the work, then its
-future syncs the side stream to gloo's copies), checks the frame and
-releases it, records the event; the main stream waits on it. The verdict
-is read when the event has completed: at this consume, or at the next one
-(at most one step late). On CPU ops run eagerly, so verdicts are read at
-once: the last rank at its next call, receivers at consume.
+main stream. At consume the host waits, bounded, for the transfer's end (the
+group's semantics: gloo's work, or NCCL's / XCCL's ``is_completed()``
+polled), the outputs are allocated on the main stream, the side stream waits
+on the main stream and is ordered after the transfer, checks the frame and
+releases it (``Platform.run_on``: a stand-in stream may run it later, as a
+device's does), records the event; the main stream waits on it, and only
+there waits on a transfer. The verdict is read when the event has
+completed: at this consume, or at the next one (at most one step late). On
+CPU ops run eagerly, so verdicts are read at once: the last rank at its
+next call, receivers at consume.
 
 Nothing here reads device data on the host except the error path, after a
 verdict said something is wrong.
