@@ -66,11 +66,6 @@ class Completion(Protocol):
         """Order the *current* stream after the transfer (the device codec's
         side stream, once :meth:`wait` returned or the receive is consumed)."""
 
-    def order_after_issue(self, work: dist.Work) -> None:
-        """Order the current stream after a transfer just issued, if that
-        costs the host nothing (stream-ordered); else nothing (gloo: the host
-        observes the end later, and holds the buffer until then)."""
-
     def abort(self, group: dist.ProcessGroup) -> None:
         """A deadline passed with transfers pending: end them, so no stream
         waits forever (nothing to do where the host waits)."""
@@ -109,9 +104,6 @@ class HostCompleted:
         # ended already (the host waited): for device tensors the future's
         # wait makes the current stream wait on gloo's copies; CPU: nothing
         work.get_future().wait()
-
-    def order_after_issue(self, work: dist.Work) -> None:
-        """Nothing: waiting on gloo's future now would block the host."""
 
     def abort(self, group: dist.ProcessGroup) -> None:
         """Nothing: gloo ends its works at the group's timeout by itself."""
@@ -167,9 +159,6 @@ class StreamOrdered:
 
     def order_after(self, work: dist.Work) -> None:
         work.wait()  # device-side: the current stream waits; the host does not
-
-    def order_after_issue(self, work: dist.Work) -> None:
-        work.wait()
 
     def abort(self, group: dist.ProcessGroup) -> None:
         # torch 2.13: ProcessGroup.abort() aborts every backend of the group

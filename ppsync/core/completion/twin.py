@@ -82,20 +82,25 @@ STATS = TwinStats()
 class TwinGroup:
     """A gloo group registered as emulating NCCL."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, lag_s: float) -> None:
         self.group = group
+        self.lag_s = lag_s
         self.aborted = False
 
 
 _TWINS: dict[int, TwinGroup] = {}  # id(group) -> its twin; groups live until exit
 
 
-def emulate(group: dist.ProcessGroup, backend: str = "nccl") -> None:
+def emulate(group: dist.ProcessGroup, backend: str = "nccl", *, lag_s: float = 0.0) -> None:
     """Make a token path over ``group`` (gloo) judge and order its works as
-    ``backend``'s (one of :data:`EMULATED`)."""
+    ``backend``'s (one of :data:`EMULATED`). ``lag_s``: how far its side
+    streams run behind the host (each piece of work starts at least that long
+    after it was handed over), as a device behind a host that queues ahead."""
     if backend not in EMULATED:
         raise ConfigError(f"emulate = {backend!r} must be one of {', '.join(EMULATED)}")
-    _TWINS.setdefault(id(group), TwinGroup(group))
+    if not 0 <= lag_s < HANG_S:
+        raise ConfigError(f"lag_s = {lag_s} must lie in [0, {HANG_S})")
+    _TWINS.setdefault(id(group), TwinGroup(group, lag_s))
 
 
 def twin_of(group: dist.ProcessGroup) -> TwinGroup | None:
@@ -195,12 +200,13 @@ class TwinEvent:
 class TwinStream:
     """A stand-in stream: the host itself (``main``) or a FIFO thread."""
 
-    def __init__(self, name: str, *, main: bool) -> None:
+    def __init__(self, name: str, *, main: bool, lag_s: float = 0.0) -> None:
         self.name = name
         self.main = main
+        self.lag_s = lag_s
         self.after: list[TwinWork] = []  # frames' transfers it is ordered after (see _order_after)
         self.error: BaseException | None = None
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[float, Callable[[], None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         if not main:
             self._thread = threading.Thread(target=self._run, name=f"ppsync-twin-{name}",
@@ -209,9 +215,11 @@ class TwinStream:
 
     def _run(self) -> None:
         while True:
-            fn = self._queue.get()
+            due, fn = self._queue.get()
             if fn is _STOP:
                 return
+            if (wait_s := due - time.monotonic()) > 0:
+                time.sleep(wait_s)
             try:
                 fn()
             except Exception as e:  # sticky, as a device error is
@@ -222,7 +230,7 @@ class TwinStream:
         """End the stream's thread once it ran what it was handed (a token
         path's close; a transfer it still waits on ends at the group's abort)."""
         if self._thread is not None:
-            self._queue.put(_STOP)
+            self._queue.put((0.0, _STOP))
             self._thread.join(STOP_S)
 
     def raise_error(self) -> None:
@@ -234,7 +242,7 @@ class TwinStream:
         if self.main:
             fn()
         else:
-            self._queue.put(fn)
+            self._queue.put((time.monotonic() + self.lag_s, fn))
 
     def wait_work(self, work: TwinWork) -> None:
         """The stream waits (device-side) for ``work``'s transfer."""
@@ -314,7 +322,12 @@ def _using(stream: TwinStream) -> Iterator[TwinStream]:
 
 
 class TwinPlatform(Platform):
-    """The CPU platform with stand-in streams and events (see the module)."""
+    """The CPU platform with stand-in streams and events (see the module);
+    side streams run ``lag_s`` behind the host."""
+
+    def __init__(self, device: torch.device, lag_s: float = 0.0) -> None:
+        super().__init__(device)
+        self.lag_s = lag_s
 
     @property
     def has_streams(self) -> bool:
@@ -324,7 +337,7 @@ class TwinPlatform(Platform):
         return current_stream()
 
     def new_stream(self) -> TwinStream:
-        return TwinStream("side", main=False)
+        return TwinStream("side", main=False, lag_s=self.lag_s)
 
     def use(self, stream: Any) -> Any:
         return _using(stream)
@@ -385,4 +398,4 @@ class TwinCompleted(StreamOrdered):
         if platform.device.type != "cpu":
             raise ConfigError(f"emulate = 'nccl' runs on CPU tensors; device = "
                               f"{platform.device} (on a GPU use the real backend)")
-        return TwinPlatform(platform.device)
+        return TwinPlatform(platform.device, self.twin.lag_s)

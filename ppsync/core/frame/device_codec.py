@@ -14,13 +14,13 @@ stream that uses them, so no ``record_stream`` is needed.
 Last rank, per step: the frame is packed on the current stream, the one that
 made the sampler's outputs, before the call returns (the engine may then
 write those tensors in place); the verdict is copied to its host slot
-without blocking; the side stream waits on the current one, issues the
-broadcast (XPU first synchronizes the main stream), is ordered after the
-collective where the group's semantics allow it without a host wait
-(ppsync.core.completion), and records the step's event. The host reads the
-verdict at its next call once the event completed (``query()``, never a
-synchronize); a bad one raises BatchError there, one step late; the frame
-already carried FLAG_BAD_VALUES to the receivers.
+without blocking and an event recorded after it; the side stream waits on
+the current one and issues the broadcast (XPU first synchronizes the main
+stream). The host reads the verdict at its next call once that event
+completed (``query()``, never a synchronize); a bad one raises BatchError
+there, one step late; the frame already carried FLAG_BAD_VALUES to the
+receivers. The frame returns to its pool once its transfer ended (the
+group's semantics judge it: ppsync.core.completion) and its verdict was read.
 
 Receivers: the receive is issued on the side stream after it waits on the
 main stream. At consume the host waits, bounded, for the transfer's end (the
@@ -230,14 +230,13 @@ class DeviceCodec:
         self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, *outputs, drafts,
                                  self._verdict_dev)
         stage.verdict.copy_(self._verdict_dev, non_blocking=True)
+        # the verdict is ready once the current stream ran this far; it does
+        # not wait for the transfer (whose end returns the buffer: reuse())
+        event = p.record_event(main)
         p.wait_stream(self.side, main)  # the frame is packed
         with p.use(self.side):
             p.before_send(main)
             work = issue(buf)
-            # the side stream waits for the collective (stream-ordered:
-            # device-side), so the step's event marks the transfer's end
-            self.completion.order_after_issue(work)
-            event = p.record_event(self.side)
         self._holds[id(buf)] = 2  # its transfer, and its verdict
         self.unread.append(Unread(True, frame.seq, event, stage, buf, frame, tokens_w=w))
         return buf, work, flags, 0
