@@ -52,9 +52,11 @@ def test_help_shows_the_kernel_flags_and_their_defaults(
 
 
 def test_a_kernel_set_that_cannot_run_here_exits_2_before_any_rank(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # without Triton: it cannot load; with it, CPU tensors need its interpreter
+    # (which tests/conftest.py turns on for every other test)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     why = ("Triton cannot be loaded" if triton_error() is not None
            else "needs Triton's interpreter")
     argv = ["launch", "--pp-size", "2", "--steps", "5", "--codec", "device",
