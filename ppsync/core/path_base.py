@@ -162,6 +162,7 @@ class PathBase:
                             lambda err, observed: self.failed(err, observed=observed),
                             self.completion)
         self._closed = False
+        self._aborted = False  # the group was aborted (stream-ordered: a deadline passed)
         self._last_issued: tuple[int, dist.Work] | None = None
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
@@ -280,7 +281,7 @@ class PathBase:
         if isinstance(named, (SyncTimeout, PeerLost)):
             # stream-ordered: a transfer that will not end would hold the
             # side stream (and NCCL's kernel) forever
-            self.completion.abort(self.group)
+            self._abort()
         if dump:
             dump_on_error(self, named)
         return named
@@ -360,11 +361,18 @@ class PathBase:
             self._inflight.clear()
             self._closed = True
             if abandoned:
-                ends.abort(self.group)  # stream-ordered: no stream waits on them forever
+                self._abort()  # stream-ordered: no stream waits on them forever
+            if abandoned or self._aborted:
+                # works that an abort ended may still be pending underneath
+                # (the CPU twin's gloo): the group is never destroyed
                 keep_until_exit(self.group)
             self.codec.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
+
+    def _abort(self) -> None:
+        self._aborted = True
+        self.completion.abort(self.group)
 
     @property
     def closed(self) -> bool:
