@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from collections import deque
@@ -41,6 +40,9 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
+from ppsync.core.dump_writer import dumps_pending as dumps_pending
+from ppsync.core.dump_writer import flush_dumps as flush_dumps
+from ppsync.core.dump_writer import submit_dump
 from ppsync.core.recorder import FIELDS, FlightRecorder, clock_pair
 from ppsync.errors import ConfigError, DesyncError, PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
@@ -307,65 +309,12 @@ def dump_on_error(path: Dumpable, err: BaseException) -> None:
         if path.dump_inline:
             snap.write(file)
         else:
-            _writer.submit(snap, file)
+            submit_dump(functools.partial(snap.write, file))
         written = str(file)
     except Exception as e:  # the real error matters more than the dump
         written = f"not written: {type(e).__name__}: {e}"
     _notes[err] = f"flight record: {written}"
     err.add_note(_notes[err])
-
-
-class _Writer:
-    """Writes the dumps an event loop's thread hands over, each in a thread
-    of its own (failures are rare; no thread outlives its dump).
-    :func:`flush_dumps` waits for them, and so does the process's exit."""
-
-    def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._atexit = False
-
-    def submit(self, snap: _Snapshot, file: Path) -> None:
-        def write() -> None:
-            with contextlib.suppress(Exception):  # the error itself is raised to the caller
-                snap.write(file)
-
-        thread = threading.Thread(target=write, name="ppsync-dump", daemon=True)
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            self._threads.append(thread)
-            if not self._atexit:
-                atexit.register(flush_dumps)
-                self._atexit = True
-        thread.start()
-
-    def pending(self) -> bool:
-        with self._lock:
-            return any(t.is_alive() for t in self._threads)
-
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until every dump handed over is written; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            threads = list(self._threads)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not self.pending()
-
-
-_writer = _Writer()
-
-
-def flush_dumps(timeout_s: float = 30.0) -> bool:
-    """Wait (at most ``timeout_s``) until every dump handed to a writer
-    thread is on disk; True when none is left. Blocks: an event loop awaits
-    :func:`dumps_pending` turning False instead."""
-    return _writer.flush(timeout_s)
-
-
-def dumps_pending() -> bool:
-    """Whether a dump handed to a writer thread is still being written."""
-    return _writer.pending()
 
 
 def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:
