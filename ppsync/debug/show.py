@@ -91,7 +91,8 @@ class Divergence(BaseModel):
 
 
 class GroupReport(BaseModel):
-    """What ``ppsync dump show --json`` prints for one group."""
+    """One group's report (``ppsync dump show --json`` prints each inside the
+    world's, ppsync.debug.world)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
