@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from ppsync.core.completion import EMULATED, StreamOrdered
 from ppsync.core.device_kernels import resolve_device_kernels
-from ppsync.core.dumps import dump_all, install_dump_triggers
+from ppsync.core.dumps import check_dump_dir, dump_all, install_dump_triggers
 from ppsync.core.frame.codec import check_frames
 from ppsync.core.host_kernels import resolve_host_kernels
-from ppsync.debug.cli import add_debug_commands, point_at_dumps
+from ppsync.debug.cli import add_debug_commands, dump_files, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.run import format_table, run_local
@@ -240,6 +240,20 @@ def _dump_dir(args: argparse.Namespace) -> Path | None:
     return Path(env) if env else None
 
 
+def _prepare_dumps(args: argparse.Namespace) -> Path | None:
+    """The dump directory, checked before the run (ConfigError: exit 2), and
+    what it held then, so that a failure names only the dumps of this run."""
+    directory = _dump_dir(args)
+    if directory is not None:
+        check_dump_dir(directory, "--dump-dir" if args.dump_dir is not None else f"${DUMP_DIR_ENV}")
+    args.dumps_before = dump_files(directory)
+    return directory
+
+
+def _point_at_dumps(args: argparse.Namespace) -> None:
+    point_at_dumps(_dump_dir(args), vars(args).get("dumps_before"))
+
+
 def _check_report_path(args: argparse.Namespace) -> None:
     """--report FILE must be writable before the run starts (a bad argument,
     exit 2), not found out once the run is done."""
@@ -265,14 +279,14 @@ def _finish(args: argparse.Namespace, report: RunReport) -> int:
                   file=sys.stderr)
             return 1
     if not report.ok:
-        point_at_dumps(_dump_dir(args))
+        _point_at_dumps(args)
     return 0 if report.ok else 1
 
 
 def _launch(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size)
     _check_report_path(args)
-    dump_dir = _dump_dir(args)
+    dump_dir = _prepare_dumps(args)
     try:
         report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
                            jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
@@ -283,7 +297,7 @@ def _launch(args: argparse.Namespace) -> int:
         raise
     except PPSyncError as e:  # the dumps' pointers are the last lines
         print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
-        point_at_dumps(dump_dir)
+        _point_at_dumps(args)
         return 1
     return _finish(args, report)
 
@@ -291,7 +305,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     # a stuck rank prints every thread's stack on SIGUSR1 (to stderr, fd 2) and,
     # with a dump directory, dumps its flight record (also on an error, at exit)
-    install_dump_triggers(_dump_dir(args))
+    install_dump_triggers(_prepare_dumps(args))
     signal.signal(signal.SIGTERM, _stopped)
     world = WorldEnv.from_environ(os.environ)
     config = _config(args, args.pp_size or world.world_size)
@@ -337,7 +351,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     except PPSyncError as e:
         print(f"ppsync: {_who(args)}{type(e).__name__}: {e}", file=sys.stderr)
         if args.command == "run":
-            point_at_dumps(_dump_dir(args))
+            _point_at_dumps(args)
         return 1
     except Exception as e:  # a rank of `run` whose world broke (gloo, the store)
         if args.command != "run":

@@ -6,7 +6,7 @@ recorder and its dumps, and the token path that combines them."""
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
 from ppsync.core.batch.mask import need_sampled_mask
-from ppsync.core.dumps import dump_all, install_dump_triggers
+from ppsync.core.dumps import dump_all, install_dump_triggers, set_world
 from ppsync.core.frame import FrameView
 from ppsync.core.frame.codec import StepCodec
 from ppsync.core.frame.device_frames import DeviceFrameCodec
@@ -49,6 +49,7 @@ __all__ = [
     "need_sampled_mask",
     "pipeline_layout",
     "platform_for",
+    "set_world",
     "strided_layout",
     "token_group",
     "token_group_in_layout",

@@ -38,7 +38,22 @@ def _host(
     t = _tensor(name, t, ndim, dtypes)
     if t.is_cpu and not t.requires_grad:
         return t.numpy()  # shares memory; half the cost of detach().cpu().numpy()
-    return t.detach().cpu().numpy()
+    # an accelerator's tensor is copied (a host sync the engine chose with the
+    # host codec); one whose data the host cannot read (meta) is refused as the
+    # device codec refuses a tensor off its device, before any collective
+    if t.is_meta:
+        raise _elsewhere(name, t.device, _CPU)
+    try:
+        return t.detach().cpu().numpy()
+    except NotImplementedError:  # a backend without a copy to the host
+        raise _elsewhere(name, t.device, _CPU) from None
+
+
+_CPU = torch.device("cpu")
+
+
+def _elsewhere(name: str, device: torch.device, home: torch.device) -> BatchError:
+    return BatchError(f"{name} is on {device}; the token path's device is {home}")
 
 
 def _meta(name: str, t: object, ndim: int, device: torch.device,
@@ -46,7 +61,7 @@ def _meta(name: str, t: object, ndim: int, device: torch.device,
     """Type, dtype, dims and device of ``t``; its values are not read."""
     t = _tensor(name, t, ndim, dtypes)
     if t.device != device:
-        raise BatchError(f"{name} is on {t.device}; the token path's device is {device}")
+        raise _elsewhere(name, t.device, device)
     return t.detach() if t.requires_grad else t  # a detach is a dispatch per tensor
 
 
@@ -239,6 +254,8 @@ def check_draft_target(
                   num_drafts)
     if draft_tokens_to_update.dtype not in _INT_DTYPES:
         raise BatchError(f"{name}.dtype = {draft_tokens_to_update.dtype} must be int64 or int32")
+    if draft_tokens_to_update.is_meta:  # checked for every codec: drafts would vanish there
+        raise BatchError(f"{name} is on meta: a tensor without data cannot take drafts")
     return draft_tokens_to_update
 
 

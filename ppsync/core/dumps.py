@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from collections import deque
@@ -38,7 +37,12 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from pydantic import BaseModel
 
+from ppsync.core.dump_writer import dumps_pending as dumps_pending
+from ppsync.core.dump_writer import flush_dumps as flush_dumps
+from ppsync.core.dump_writer import submit_dump
 from ppsync.core.recorder import FIELDS, FlightRecorder, clock_pair
 from ppsync.errors import ConfigError, DesyncError, PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
@@ -77,6 +81,16 @@ _paths: deque[tuple[Dumpable, str, int]] = deque(maxlen=_KEEP)  # (path, name, o
 _opened = 0  # token paths registered in this process
 _dump_dir: Path | None = None  # set by install_dump_triggers
 _writing = False  # a dump is being written (a signal then does not start another)
+_world: tuple[int, int] = (0, 0)  # (world id, world size) set by set_world; 0: not known
+
+
+def set_world(world_id: int, world_size: int) -> None:
+    """Name the world this process's token paths belong to: every rank of
+    one world passes the same ``world_id`` (``ppsync run`` agrees one in the
+    run's store), so a reader merges every PP group of a tensor x pipeline
+    world; without it, dumps say 0 (not known) and readers go by run id."""
+    global _world
+    _world = (world_id, world_size)
 
 
 def dump_dir() -> Path | None:
@@ -85,6 +99,22 @@ def dump_dir() -> Path | None:
         return _dump_dir
     env = os.environ.get(DUMP_DIR_ENV)
     return Path(env) if env else None
+
+
+def check_dump_dir(directory: Path, source: str) -> None:
+    """ConfigError naming ``source`` (the flag or variable that gave it)
+    unless ``directory`` is, or can be made, a directory where this process
+    can write a dump: found before a run, not after its failure."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ppsync-probe.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except FileExistsError:
+        raise ConfigError(f"{source} {directory}: not a directory") from None
+    except OSError as e:
+        raise ConfigError(f"{source} {directory}: cannot write dumps there: "
+                          f"{e.strerror or e}") from None
 
 
 def register(path: Dumpable) -> None:
@@ -170,14 +200,27 @@ class _Snapshot:
         try:
             os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the dump from the reading tools
             with os.fdopen(fd, "w") as f:
-                f.write(self.header.model_dump_json() + "\n")
+                f.write(json_line(self.header))
                 f.writelines(self._event_lines())
-                f.write(self.footer.model_dump_json() + "\n")
+                f.write(json_line(self.footer))
             os.replace(tmp, file)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028",
+                              "\u2029": "\\u2029"})
+"""Characters that JSON leaves raw in a string but some readers' line
+splits (Python's str.splitlines, JavaScript's line terminators) break a
+line at: written as escapes, so every line survives any reader's split
+(the other line breaks are control characters, which JSON escapes)."""
+
+
+def json_line(model: BaseModel) -> str:
+    """``model`` as one JSON line that no reader splits in two."""
+    return model.model_dump_json().translate(_LINE_BREAKS) + "\n"
 
 
 _MONO = FIELDS.index("mono_ns")
@@ -198,6 +241,7 @@ def _snapshot(path: Dumpable, reason: DumpReason, error: BaseException | None) -
         torch_version=str(torch.__version__), rank=path.global_rank, group_rank=path.rank,
         group_ranks=path.group_ranks, pp_size=path.config.pp_size, config=path.config,
         host=socket.gethostname(), pid=os.getpid(), run_id=path.run_id,
+        world_id=_world[0], world_size=_world[1] or _world_size(path),
         opened_wall_ns=opened, clock=clock, reason=reason,
         capacity=rec.capacity, recorded=rec.recorded, dropped=rec.recorded - rows.shape[0],
     )
@@ -211,6 +255,16 @@ def _snapshot(path: Dumpable, reason: DumpReason, error: BaseException | None) -
         closed=path.closed,
     )
     return _Snapshot(header, rows, rec.recorded - rows.shape[0], list(rec.error_names), footer)
+
+
+def _world_size(path: Dumpable) -> int:
+    """torch.distributed's world size where the process joined one (its
+    group's ranks lie in it), else 0: not known."""
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+        if all(r < size for r in path.group_ranks):
+            return size
+    return 0
 
 
 _notes: weakref.WeakKeyDictionary[BaseException, str] = weakref.WeakKeyDictionary()
@@ -255,65 +309,12 @@ def dump_on_error(path: Dumpable, err: BaseException) -> None:
         if path.dump_inline:
             snap.write(file)
         else:
-            _writer.submit(snap, file)
+            submit_dump(functools.partial(snap.write, file))
         written = str(file)
     except Exception as e:  # the real error matters more than the dump
         written = f"not written: {type(e).__name__}: {e}"
     _notes[err] = f"flight record: {written}"
     err.add_note(_notes[err])
-
-
-class _Writer:
-    """Writes the dumps an event loop's thread hands over, each in a thread
-    of its own (failures are rare; no thread outlives its dump).
-    :func:`flush_dumps` waits for them, and so does the process's exit."""
-
-    def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._atexit = False
-
-    def submit(self, snap: _Snapshot, file: Path) -> None:
-        def write() -> None:
-            with contextlib.suppress(Exception):  # the error itself is raised to the caller
-                snap.write(file)
-
-        thread = threading.Thread(target=write, name="ppsync-dump", daemon=True)
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            self._threads.append(thread)
-            if not self._atexit:
-                atexit.register(flush_dumps)
-                self._atexit = True
-        thread.start()
-
-    def pending(self) -> bool:
-        with self._lock:
-            return any(t.is_alive() for t in self._threads)
-
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until every dump handed over is written; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            threads = list(self._threads)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not self.pending()
-
-
-_writer = _Writer()
-
-
-def flush_dumps(timeout_s: float = 30.0) -> bool:
-    """Wait (at most ``timeout_s``) until every dump handed to a writer
-    thread is on disk; True when none is left. Blocks: an event loop awaits
-    :func:`dumps_pending` turning False instead."""
-    return _writer.flush(timeout_s)
-
-
-def dumps_pending() -> bool:
-    """Whether a dump handed to a writer thread is still being written."""
-    return _writer.pending()
 
 
 def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:

@@ -2,8 +2,8 @@
 
 - ``ppsync dump validate FILE...``: every line against the JSON Schemas;
   exit 1 naming file, line and field of each problem.
-- ``ppsync dump show FILE... [--json]``: merge a group's dumps, name the
-  culprit (ppsync.debug.show).
+- ``ppsync dump show FILE... [--json]``: merge a world's dumps, every PP
+  group of it, and name the culprit (ppsync.debug.world, ppsync.debug.show).
 - ``ppsync dump trace FILE... -o trace.json``: a Chrome/Perfetto timeline.
 - ``ppsync schema export DIR``: write the JSON Schemas (ppsync.schemas.export).
 
@@ -13,14 +13,24 @@ A directory given as FILE stands for the ``ppsync-rank*.jsonl`` dumps in it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import stat
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ppsync.debug.load import RankDump, Unreadable, load, validate_file, validators
-from ppsync.debug.show import analyse, format_report, group_dumps, pick_run
 from ppsync.debug.trace import trace
+from ppsync.debug.world import (
+    WorldKey,
+    analyse_world,
+    describe,
+    format_world,
+    pick_world,
+    world_groups,
+)
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.export import export
 
@@ -50,9 +60,11 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _load_all(files: list[Path], run: int | None = None) -> list[RankDump]:
-    """The readable dumps of one run (``run``, else the newest); every file
-    skipped, and every other run ignored, is named on stderr."""
+def _load_all(files: list[Path], wanted: int | None = None
+              ) -> tuple[WorldKey | None, list[RankDump]]:
+    """The readable dumps of one world (``wanted``: a world or run id, else
+    the newest); every file skipped, and every other world ignored, is
+    named on stderr."""
     dumps = []
     for f in _expand(files):
         try:
@@ -60,34 +72,36 @@ def _load_all(files: list[Path], run: int | None = None) -> list[RankDump]:
         except Unreadable as e:
             print(f"ppsync: skipping {e}", file=sys.stderr)
     if not dumps:
-        return []
-    chosen, mine, others = pick_run(dumps, run)
-    ignored = "; ignored " + ", ".join(f"run {r:#x} ({n} dump{'s' * (n > 1)})"
-                                       for r, n in sorted(others.items())) if others else ""
-    print(f"ppsync: run {chosen:#x}: {len(mine)} dump{'s' * (len(mine) != 1)}{ignored}",
+        print("ppsync: no dump could be read", file=sys.stderr)
+        return None, []
+    chosen, mine, others = pick_world(dumps, wanted)
+    ignored = "; ignored " + ", ".join(f"{describe(k)} ({n} dump{'s' * (n > 1)})"
+                                       for k, n in sorted(others.items())) if others else ""
+    if chosen is None:
+        print(f"ppsync: no dump of world or run {wanted:#x}{ignored}", file=sys.stderr)
+        return None, []
+    print(f"ppsync: {describe(chosen)}: {len(mine)} dump{'s' * (len(mine) != 1)}{ignored}",
           file=sys.stderr)
-    return mine
+    return chosen, mine
 
 
 def _show(args: argparse.Namespace) -> int:
-    dumps = _load_all(args.files, args.run_id)
-    if not dumps:
-        print("ppsync: no dump could be read", file=sys.stderr)
+    key, dumps = _load_all(args.files, args.run_id)
+    if key is None:
         return 1
-    reports = [analyse(g) for g in group_dumps(dumps)]
+    report = analyse_world(dumps, key)
     if args.json:
-        doc = [r.model_dump(mode="json") for r in reports]
-        print(json.dumps(doc[0] if len(doc) == 1 else doc, indent=2))
+        print(report.model_dump_json(indent=2))
     else:
-        print("\n\n".join(format_report(r) for r in reports))
+        print(format_world(report))
     return 0
 
 
 def _trace(args: argparse.Namespace) -> int:
-    dumps = _load_all(args.files, args.run_id)
-    if not dumps:
-        print("ppsync: no dump could be read", file=sys.stderr)
+    key, dumps = _load_all(args.files, args.run_id)
+    if key is None:
         return 1
+    dumps = [d for g in world_groups(dumps) for d in g]
     doc = trace(dumps)
     args.output.write_text(json.dumps(doc) + "\n")
     print(f"{args.output}: {len(doc['traceEvents'])} trace events from {len(dumps)} dumps "
@@ -101,14 +115,36 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def point_at_dumps(dump_dir: Path | None) -> None:
+def dump_files(dump_dir: Path | None) -> dict[str, tuple[int, int]]:
+    """The regular dump files in ``dump_dir`` now: name -> (inode, mtime ns).
+    A dump is written to a fresh file renamed into place, so every file a
+    run writes differs from a snapshot taken before it."""
+    out: dict[str, tuple[int, int]] = {}
+    if dump_dir is None:
+        return out
+    with contextlib.suppress(OSError):
+        for f in dump_dir.glob("ppsync-rank*.jsonl"):
+            with contextlib.suppress(OSError):
+                st = f.lstat()
+                if stat.S_ISREG(st.st_mode):
+                    out[f.name] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def point_at_dumps(dump_dir: Path | None,
+                   before: Mapping[str, tuple[int, int]] | None = None) -> None:
     """The last lines of a failed run (``ppsync launch``, ``ppsync run``), on
-    stderr: where the flight records are and the command that reads them."""
+    stderr: where the flight records are and the command that reads them.
+    Only dump files written since ``before`` (:func:`dump_files` taken when
+    the run started) are named: never an earlier run's, nor a directory
+    standing where a dump belongs."""
     if dump_dir is None:
         print(f"ppsync: no flight records kept: rerun with --dump-dir DIR (or ${DUMP_DIR_ENV})",
               file=sys.stderr)
         return
-    files = " ".join(str(f) for f in sorted(dump_dir.glob("ppsync-rank*.jsonl")))
+    before = before or {}
+    files = " ".join(str(dump_dir / n) for n, key in sorted(dump_files(dump_dir).items())
+                     if before.get(n) != key)
     print(f"ppsync: flight records: {files or f'none written in {dump_dir}'}", file=sys.stderr)
     print(f"ppsync: diagnose with: ppsync dump show {dump_dir}/ppsync-rank*.jsonl",
           file=sys.stderr)
@@ -131,18 +167,20 @@ def add_debug_commands(sub: Any) -> None:
     va.add_argument("--schemas", type=Path, default=None, metavar="DIR",
                     help="schema directory (default: the schemas of this ppsync)")
     va.set_defaults(run=_validate)
-    sh = dsub.add_parser("show", help="merge a group's dumps and name the culprit")
+    sh = dsub.add_parser("show", help="merge a world's dumps (every PP group) and name "
+                         "the culprit")
     sh.add_argument("files", type=Path, nargs="+", metavar="FILE")
     sh.add_argument("--json", action="store_true", help="print the report as JSON")
     sh.add_argument("--run", dest="run_id", type=_run_id, default=None, metavar="ID",
-                    help="the run to read (its id, as show prints it; default the newest)")
+                    help="the world or run to read (its id, as show prints it; default "
+                    "the newest)")
     sh.set_defaults(run=_show)
     tr = dsub.add_parser("trace", help="write a Chrome/Perfetto trace of the dumps")
     tr.add_argument("files", type=Path, nargs="+", metavar="FILE")
     tr.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
                     help="trace file to write (JSON)")
     tr.add_argument("--run", dest="run_id", type=_run_id, default=None, metavar="ID",
-                    help="the run to read (default the newest)")
+                    help="the world or run to read (default the newest)")
     tr.set_defaults(run=_trace)
     sc = sub.add_parser("schema", help="the JSON Schemas of dumps and reports")
     ssub = sc.add_subparsers(dest="schema_command", required=True)

@@ -9,6 +9,8 @@ equal to a fresh export), or on the files of a given schema directory.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,15 +72,71 @@ class Unreadable(ValueError):
     line (``file:line: what``)."""
 
 
-def _text_lines(file: Path) -> list[str]:
-    """The file's lines, decoded; Unreadable naming the first line that is
-    not UTF-8 text, or why the file cannot be read."""
+MAX_DUMP_BYTES = 512 << 20
+"""The largest file a reader takes as a dump (the largest ring a config
+allows dumps in well under it; see docs/flight-recorder.md)."""
+
+
+def _read_regular(file: Path) -> bytes:
+    """The bytes of ``file``, a regular file of at most MAX_DUMP_BYTES.
+    Opened without blocking (a FIFO named like a dump would wait for a
+    writer) and checked after the open (no race with a link swapped in):
+    a FIFO, a device (a link to /dev/zero), a directory or an oversized
+    file is Unreadable, never read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        data = file.read_bytes()
+        fd = os.open(file, flags)
     except OSError as e:
         raise Unreadable(f"{file}: cannot read: {e.strerror or e}") from None
     try:
-        return data.decode("utf-8").splitlines()
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"{file}: not a regular file ({_kind(st.st_mode)}): not a dump")
+        if st.st_size > MAX_DUMP_BYTES:
+            raise Unreadable(f"{file}: {st.st_size} bytes, more than a dump's "
+                             f"{MAX_DUMP_BYTES}: not read")
+        chunks, left = [], MAX_DUMP_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 22))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as e:
+        raise Unreadable(f"{file}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > MAX_DUMP_BYTES:  # grew after the fstat
+        raise Unreadable(f"{file}: more than a dump's {MAX_DUMP_BYTES} bytes: not read")
+    return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {mode:#o}"
+
+
+def split_lines(text: str) -> list[str]:
+    """``text``'s lines, split on "\\n" only (JSON Lines' separator; a
+    str.splitlines() also splits at U+2028, U+2029, U+0085 and others, which
+    a JSON string may hold raw), without the empty tail of a final newline."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _text_lines(file: Path) -> list[str]:
+    """The file's lines, decoded; Unreadable naming the first line that is
+    not UTF-8 text, or why the file cannot be read."""
+    data = _read_regular(file)
+    try:
+        return split_lines(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise Unreadable(f"{file}:{line}: not text (byte {data[e.start]:#04x} is not "
@@ -133,7 +191,29 @@ def validate_file(file: Path, checks: dict[str, Draft202012Validator]) -> list[P
             continue
         for err in errors:
             problems.append(Problem(name, i, _field_of(err), err.message))
+        if not errors:  # what the schema cannot say (a header's group facts): the model
+            problems += _model_problems(name, i, _MODELS[kind], doc)
+    if len(lines) == 1:
+        problems.append(Problem(name, 1, "", "a header line alone: a dump ends with a "
+                                "footer line"))
     return problems
+
+
+_MODELS: dict[str, type[BaseModel]] = {"header": DumpHeader, "event": DumpEvent,
+                                       "footer": DumpFooter}
+"""The model that :func:`load` reads each line type with."""
+
+
+def _model_problems(file: str, line: int, model: type[BaseModel], doc: object
+                    ) -> list[Problem]:
+    try:
+        model.model_validate(doc)
+    except ValidationError as e:
+        return [Problem(file, line, ".".join(str(x) for x in err["loc"]), err["msg"])
+                for err in e.errors()]
+    except RecursionError:
+        return [Problem(file, line, "", "JSON nested too deeply to check")]
+    return []
 
 
 @dataclass(frozen=True, slots=True)

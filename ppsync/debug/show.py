@@ -25,9 +25,9 @@ counted); otherwise OK. A rank without a dump that nobody waited on is
 only "not at hand" (each host of a multi-host run keeps its own dump
 directory). The summary says how sure the verdict is.
 
-Dumps carry the run id the group agreed on at its handshake: ``show``
-reads one run (the newest opened, or the one asked for) and names the
-others it ignored.
+Dumps carry the run id the group agreed on at its handshake, and the id
+of the world: ``ppsync.debug.world`` picks one world and reads each of its
+groups here.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Divergence(BaseModel):
 
 
 class GroupReport(BaseModel):
-    """What ``ppsync dump show --json`` prints for one group."""
+    """One group's report (``ppsync dump show --json`` prints each inside the
+    world's, ppsync.debug.world)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -180,7 +181,8 @@ def _first_error(d: RankDump) -> tuple[int, str]:
                  if e["kind"] == "error"), (d.header.clock.wall_ns, d.footer.error_type or ""))
 
 
-def _names(ranks: Sequence[int]) -> str:
+def rank_names(ranks: Sequence[int]) -> str:
+    """"rank 1", "ranks 0 and 2", "ranks 0, 1 and 2"."""
     r = [str(x) for x in ranks]
     if len(r) <= 1:
         return f"rank {''.join(r)}" if r else "no rank"
@@ -218,8 +220,8 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
     if div is not None:
         verdict, culprit, seq = "desync", div.ranks[0], div.seq
         evidence = f"the views of seq {div.seq} differ"
-        summary = (f"{_names(div.ranks)} diverged at seq {div.seq}: view {div.view} vs "
-                   f"{div.others_view} of {_names(div.others)}")
+        summary = (f"{rank_names(div.ranks)} diverged at seq {div.seq}: view {div.view} vs "
+                   f"{div.others_view} of {rank_names(div.others)}")
     elif named:
         culprit = max(sorted(named), key=lambda r: len(named[r]))
         namers = named[culprit]
@@ -231,11 +233,11 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
         verdict = "lost" if kind == "PeerLost" and not resumed else "silent"
         failed = [s.rank for s in errors if s.rank != culprit]
         evidence = (f"every survivor waited on rank {culprit}" if set(namers) >= set(failed)
-                    else f"{_names(namers)} waited on rank {culprit}; "
-                    f"{_names([r for r in failed if r not in namers])} named no rank")
+                    else f"{rank_names(namers)} waited on rank {culprit}; "
+                    f"{rank_names([r for r in failed if r not in namers])} named no rank")
         seq = min((s.waiting_seq for s in waiters if s.rank in namers
                    and s.waiting_seq is not None), default=None)
-        summary = (f"rank {culprit} {verdict} at seq {seq}: {_names(namers)} waited on it")
+        summary = (f"rank {culprit} {verdict} at seq {seq}: {rank_names(namers)} waited on it")
     elif missing and errors:
         kinds = {s.error.split(":")[0] for s in errors if s.error}
         verdict = "lost" if "PeerLost" in kinds else "silent"
@@ -244,9 +246,9 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
         if seq is None:
             seq = max((s.last_seq or -1 for s in live), default=-1) + 1
         who = [s.rank for s in errors]
-        evidence = (f"no dump from {_names(missing)}, and {_names(who)} failed waiting; "
+        evidence = (f"no dump from {rank_names(missing)}, and {rank_names(who)} failed waiting; "
                     "no error named the rank")
-        summary = (f"{_names(missing)} {verdict} at seq {seq}: {_names(who)} "
+        summary = (f"{rank_names(missing)} {verdict} at seq {seq}: {rank_names(who)} "
                    f"waited on {'it' if len(missing) == 1 else 'them'}")
     elif errors:
         verdict = "stopped" if stopped is not None else "error"
@@ -257,14 +259,14 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
         evidence = ("no error named a rank; the oldest last event (own error events not "
                     f"counted) is rank {culprit}'s" if verdict == "stopped"
                     else "one rank's own error")
-        summary = (f"rank {culprit} stopped first at seq {seq}: {_names(others)} "
+        summary = (f"rank {culprit} stopped first at seq {seq}: {rank_names(others)} "
                    f"waited on it" if verdict == "stopped"
                    else f"rank {culprit} failed: {first.error}")
     else:
         top = max((s.last_seq or -1) for s in live) if live else -1
         summary = f"OK: {len(live)} ranks, no error, up to seq {top}"
         if missing:
-            evidence = (f"no dump from {_names(missing)}: not at hand (nobody waited on "
+            evidence = (f"no dump from {rank_names(missing)}: not at hand (nobody waited on "
                         f"{'it' if len(missing) == 1 else 'them'})")
             summary += f"; {evidence}"
     return GroupReport(group_ranks=group, ranks=states, missing=missing, ahead=ahead,
@@ -292,20 +294,6 @@ def _when(d: RankDump) -> tuple[int, int]:
     return d.header.opened_wall_ns, d.header.clock.wall_ns
 
 
-def pick_run(dumps: Sequence[RankDump], run: int | None) -> tuple[int, list[RankDump],
-                                                                   dict[int, int]]:
-    """(run id, its dumps, {other run id: its dump count}): the run asked
-    for, else the one opened last (a directory may hold several runs' dumps:
-    an earlier run's, a token path built anew)."""
-    runs: dict[int, list[RankDump]] = {}
-    for d in dumps:
-        runs.setdefault(d.header.run_id, []).append(d)
-    if run is None:
-        run = max(runs, key=lambda r: max(_when(d) for d in runs[r]))
-    others = {r: len(ds) for r, ds in runs.items() if r != run}
-    return run, runs.get(run, []), others
-
-
 def format_report(report: GroupReport) -> str:
     """The text ``ppsync dump show`` prints for one group."""
     lines = [f"group {report.group_ranks}",
@@ -324,13 +312,13 @@ def format_report(report: GroupReport) -> str:
             f"{(s.error or '')[:160]}")
     lines += [f"ahead: {a}" for a in report.ahead]
     if report.missing:
-        lines.append(f"never dumped: {_names(report.missing)}")
+        lines.append(f"never dumped: {rank_names(report.missing)}")
     if report.verdict == "stopped":  # the rule that decided; else other evidence did
         lines.append(f"oldest last event: rank {report.stopped_first}")
     if report.divergence is not None:
         d = report.divergence
-        lines.append(f"first differing seq {d.seq}: {_names(d.ranks)} {d.view}")
-        lines.append(f"{'':>{len(str(d.seq)) + 21}}{_names(d.others)} {d.others_view}")
+        lines.append(f"first differing seq {d.seq}: {rank_names(d.ranks)} {d.view}")
+        lines.append(f"{'':>{len(str(d.seq)) + 21}}{rank_names(d.others)} {d.others_view}")
     lines.append(f"verdict: {report.summary}")
     lines.append(f"evidence: {report.evidence}")
     return "\n".join(lines)

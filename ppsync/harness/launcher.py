@@ -28,7 +28,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.liveness import FailureBoard
-from ppsync.errors import RankFailed, SyncTimeout
+from ppsync.errors import PeerLost, RankFailed, SyncTimeout
 from ppsync.harness.world import WorldEnv
 
 R = TypeVar("R")
@@ -247,7 +247,11 @@ def _spawn(
                 else:
                     errors[rank] = payload
         if errors:
-            first = min(errors)
+            # lead with a rank that died, then one whose error is its own: a
+            # PeerLost / SyncTimeout follows from another rank's failure
+            first = min(errors, key=lambda r: (not isinstance(errors[r], str),
+                                               isinstance(errors[r], PeerLost | SyncTimeout),
+                                               r))
             raise RankFailed(
                 f"{len(errors)} of {world_size} ranks failed; rank {first}: {errors[first]!r}",
                 errors,

@@ -11,6 +11,7 @@ the same verdict. ``ppsync launch`` spawns processes that run exactly this.
 from __future__ import annotations
 
 import datetime
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.completion import STATS, completion_for, emulate
+from ppsync.core.dumps import set_world
 from ppsync.core.frame.codec import frames_on_device
 from ppsync.core.groups import group_facts, pipeline_layout, token_groups
 from ppsync.core.liveness import FailureBoard
@@ -124,6 +126,9 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     layout = pipeline_layout(world.world_size, config.pp_size)
     device = rank_device(opts.device, config.codec, world.local_rank)  # before connecting
     store = world.connect(opts.join_timeout_s, opts.run_id)
+    # one id for every dump of this world: the first rank's pick, kept in the run's store
+    set_world(int(store.compare_set("dump_world_id", "", str(secrets.randbits(62) | 1))),
+              world.world_size)
     if device is not None:
         getattr(torch, device.type).set_device(device)
     backend = None if device is None else platform_for(device).backend

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 from ppsync.schemas.config import SyncConfig
 
-DUMP_FORMAT_VERSION = 2
+DUMP_FORMAT_VERSION = 3
+"""Version 3 added the world a dump belongs to (``world_id``, ``world_size``);
+a reader takes versions 1 to this one (older dumps: world not known)."""
 
 DUMP_DIR_ENV = "PPSYNC_DUMP_DIR"
 """Environment variable naming the directory automatic dumps go to."""
@@ -52,8 +54,9 @@ class DumpHeader(BaseModel):
 
     type: Literal["header"] = "header"
     """Line type."""
-    format_version: int = Field(ge=1)
-    """Dump format version (DUMP_FORMAT_VERSION when written)."""
+    format_version: int = Field(ge=1, le=DUMP_FORMAT_VERSION)
+    """Dump format version (DUMP_FORMAT_VERSION when written; a reader
+    refuses a version newer than it knows)."""
     ppsync_version: str
     """ppsync's version."""
     torch_version: str
@@ -62,8 +65,9 @@ class DumpHeader(BaseModel):
     """Global rank of the writer."""
     group_rank: int = Field(ge=0)
     """Rank of the writer in its PP (token) group."""
-    group_ranks: list[int]
-    """Global ranks of the group, in group-rank order (the last samples)."""
+    group_ranks: list[NonNegativeInt] = Field(min_length=1, json_schema_extra={"uniqueItems": True})
+    """Global ranks of the group, in group-rank order (the last samples):
+    distinct, ``pp_size`` of them, ``rank`` at index ``group_rank``."""
     pp_size: int = Field(ge=1)
     """Ranks in the group."""
     config: SyncConfig
@@ -77,6 +81,14 @@ class DumpHeader(BaseModel):
     handshake (0 before it finished): dumps of one run share it, and a
     token path built anew (a new handshake) has another. ``ppsync dump
     show`` reads one run's dumps."""
+    world_id: int = 0
+    """The id every rank of the world agreed on when it joined (``ppsync
+    run`` / ``launch``: one key in the run's store), above the groups' run
+    ids: a tensor x pipeline world has one PP group per run id, and
+    ``ppsync dump show`` reads every group of a world. 0: not known (a token
+    path in an engine's own process, or a dump older than version 3)."""
+    world_size: int = Field(default=0, ge=0)
+    """Ranks in the writer's world (0: not known, before version 3)."""
     opened_wall_ns: int
     """Wall-clock ns when the token path was built: the newest run is the
     one opened last."""
@@ -91,6 +103,23 @@ class DumpHeader(BaseModel):
     """Events recorded since the token path opened."""
     dropped: int = Field(ge=0)
     """Oldest events overwritten by newer ones (recorded - events in the dump)."""
+
+    @model_validator(mode="after")
+    def _one_group(self) -> DumpHeader:
+        """The group facts agree: what a reader merges the dumps of a group by."""
+        ranks = self.group_ranks
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"group_ranks = {ranks} lists a rank twice")
+        if len(ranks) != self.pp_size:
+            raise ValueError(f"group_ranks = {ranks} holds {len(ranks)} ranks, "
+                             f"not pp_size = {self.pp_size}")
+        if self.group_rank >= len(ranks) or ranks[self.group_rank] != self.rank:
+            raise ValueError(f"rank = {self.rank} is not group_ranks[group_rank = "
+                             f"{self.group_rank}] of group_ranks = {ranks}")
+        if self.world_size and any(r >= self.world_size for r in ranks):
+            raise ValueError(f"group_ranks = {ranks} holds a rank outside world_size = "
+                             f"{self.world_size}")
+        return self
 
 
 class DumpEvent(BaseModel):

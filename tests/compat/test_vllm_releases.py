@@ -99,6 +99,16 @@ class Case:
         return self.interface == "0.30"
 
 
+RETURNED_DTYPES = {
+    interface: {"sampled_tokens": torch.int64, "num_sampled": torch.int32,
+                "num_rejected": torch.int32,
+                # 0.23-0.29 build it from an np.int32 array; later releases: int64
+                "idx_mapping": torch.int32 if interface in ("0.23", "0.25") else torch.int64}
+    for interface in ("0.23", "0.25", "0.30", "0.34-cpu")
+}
+"""What each release's own handler returns from get_prev_sampled_outputs."""
+
+
 @dataclass(slots=True)
 class Seen:
     rows_kept: int = 0
@@ -124,6 +134,8 @@ def check(case: Case, checker: Checker, now: int, out: SampledOutputs | None,
         return
     assert out is not None, f"step {now}: nothing released for step {rec.step}"
     assert tuple(out) == ("sampled_tokens", "num_sampled", "num_rejected", "idx_mapping")
+    dtypes = {k: v.dtype for k, v in out.items() if isinstance(v, torch.Tensor)}
+    assert dtypes == RETURNED_DTYPES[case.interface], (case.interface, dtypes)
     L = case.K + 1
     assert torch.equal(out["sampled_tokens"], torch.from_numpy(rec.tokens_np[:, :L]))
     assert torch.equal(out["num_sampled"], torch.from_numpy(rec.num_sampled_np))

@@ -191,6 +191,23 @@ CASES: list[Case] = [
           BatchError, r"draft_tokens\.shape = \(3, 3\) must be \(num_reqs, K\) = \(3, 2\)"),
     _last("drafts-float", lambda p, r: _publish(p, r, draft_tokens=_tok(3, K, torch.float64)),
           BatchError, r"draft_tokens\.dtype = torch\.float64 must be torch\.int64"),
+    # outputs whose data the host cannot read: the device codec's error for a
+    # tensor off its device, before any collective (not a raw NotImplementedError)
+    _last("tokens-on-meta",
+          lambda p, r: _publish(p, r, sampled_token_ids=_tok(3, L).to("meta")),
+          BatchError, r"^sampled_token_ids is on meta; the token path's device is cpu$"),
+    _last("num-sampled-on-meta",
+          lambda p, r: _publish(p, r, num_sampled=_i32(NUM_SAMPLED).to("meta")),
+          BatchError, r"^num_sampled is on meta; the token path's device is cpu$"),
+    _last("num-rejected-on-meta",
+          lambda p, r: _publish(p, r, num_rejected=_i32(NUM_REJECTED).to("meta")),
+          BatchError, r"^num_rejected is on meta; the token path's device is cpu$"),
+    _last("drafts-on-meta", lambda p, r: _publish(p, r, draft_tokens=_tok(3, K).to("meta")),
+          BatchError, r"^draft_tokens is on meta; the token path's device is cpu$"),
+    _recv("consume-draft-table-on-meta", "before_consume",
+          lambda p, r: p.consume(_tok(MAX_NUM_REQS, K).to("meta")),
+          BatchError, r"^draft_tokens_to_update is on meta: a tensor without data cannot take "
+          r"drafts$"),
     _last("free-slot-out-of-range", lambda p, r: p.free(MAX_NUM_REQS),
           BatchError, r"req_idx = 8 outside \[0, max_num_reqs = 8\)"),
     _recv("consume-draft-table-shape", "before_consume",

@@ -11,7 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppsync.core.checks import check_draft_table, check_draft_target, check_sampled
+from ppsync.core.checks import (
+    check_draft_table,
+    check_draft_target,
+    check_sampled,
+    check_sampled_meta,
+    check_step_drafts,
+    check_step_drafts_meta,
+)
 from ppsync.errors import BatchError
 
 
@@ -318,3 +325,29 @@ def test_draft_target_wrong_dtype(dtype: torch.dtype) -> None:
         match=rf"draft_tokens_to_update\.dtype = {re.escape(str(dtype))} must be int64 or int32",
     ):
         check_draft_target(torch.zeros(8, 2, dtype=dtype), max_num_reqs=8, num_drafts=2)
+
+
+@pytest.mark.parametrize("field", ["sampled_token_ids", "num_sampled", "num_rejected",
+                                   "draft_tokens"])
+def test_outputs_without_data_get_the_device_codecs_error_from_the_host_codec(
+        field: str) -> None:
+    """One bad input, one error: a tensor the host cannot read (a 'meta'
+    device tensor) is the BatchError the device codec gives a tensor off its
+    device, never torch's NotImplementedError."""
+    cpu = torch.device("cpu")
+    good = {"sampled_token_ids": torch.zeros(2, 2, dtype=torch.int64),
+            "num_sampled": torch.ones(2, dtype=torch.int32),
+            "num_rejected": torch.zeros(2, dtype=torch.int32)}
+    drafts = torch.zeros(2, 1, dtype=torch.int64)
+    if field == "draft_tokens":
+        drafts = drafts.to("meta")
+    else:
+        good[field] = good[field].to("meta")
+    with pytest.raises(BatchError) as host:
+        check_sampled(*good.values(), num_reqs=2, sample_width=2, num_drafts=1)
+        check_step_drafts(drafts, num_reqs=2, num_drafts=1)
+    with pytest.raises(BatchError) as device:
+        check_sampled_meta(*good.values(), num_reqs=2, sample_width=2, device=cpu)
+        check_step_drafts_meta(drafts, num_reqs=2, num_drafts=1, device=cpu)
+    assert str(host.value) == str(device.value) == (
+        f"{field} is on meta; the token path's device is cpu")

@@ -97,7 +97,7 @@ def test_an_earlier_runs_dumps_are_ignored_and_named(
     capsys.readouterr()
     assert main(["dump", "show", "--json", str(dumps)]) == 0
     out, err = capsys.readouterr()
-    report: dict[str, Any] = json.loads(out)
+    report: dict[str, Any] = json.loads(out)["groups"][0]
     assert report["verdict"] == "lost" and report["culprit_rank"] == 1, report
     assert report["divergence"] is None, report
     assert "; ignored run " in err and "(1 dump)" in err, err

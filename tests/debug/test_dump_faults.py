@@ -182,7 +182,9 @@ def _run(case: Case, tmp_path: Path, backend: str | None = None) -> Path:
 def _show(files: list[Path], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     capsys.readouterr()
     assert main(["dump", "show", "--json", *map(str, files)]) == 0
-    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    world: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert len(world["groups"]) == 1, world  # one PP group: the world's report holds it
+    report: dict[str, Any] = world["groups"][0]
     return report
 
 

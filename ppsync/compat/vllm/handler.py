@@ -81,7 +81,7 @@ class SampledOutputs(TypedDict):
     sampled_tokens: torch.Tensor  # [num_reqs, w] int64, -1 padded; w = L, or 0.33's step width
     num_sampled: torch.Tensor  # [num_reqs] int32
     num_rejected: torch.Tensor  # [num_reqs] int32
-    idx_mapping: torch.Tensor  # [num_reqs] int64, -1 = excluded row
+    idx_mapping: torch.Tensor  # [num_reqs] int64 (0.23-0.29: int32), -1 = excluded row
     draft_tokens: NotRequired[torch.Tensor | None]  # 0.33 only: [num_reqs, K] int64 or None
 
 VLLM_NAMES = CallNames(consume="get_prev_sampled_outputs", post="receive", publish="broadcast")
@@ -119,6 +119,10 @@ class PPHandler:
     xpu_microbatch_switch: ClassVar[bool] = False
     """On XPU, ``VLLM_XPU_PP_MICROBATCH=0`` makes the ring one step deep
     (vLLM 0.31 on), unless ``ring_depth`` is given."""
+    idx_mapping_dtype: ClassVar[torch.dtype] = torch.int64
+    """The dtype of the ``idx_mapping`` that ``get_prev_sampled_outputs``
+    returns: the release's own (its consumers may be kernels compiled for
+    it)."""
     _view = staticmethod(final_prefill_cap_view)
     """The batch view whose need mask is the release's (need_rules)."""
 
@@ -262,7 +266,7 @@ class PPHandler:
             sampled_tokens=released.sampled_tokens.to(d),
             num_sampled=released.num_sampled.to(d),
             num_rejected=released.num_rejected.to(d),
-            idx_mapping=released.idx_mapping.to(d),
+            idx_mapping=released.idx_mapping.to(d, self.idx_mapping_dtype),
         ), released
 
     def _batch(self, input_batch: object) -> BatchView:

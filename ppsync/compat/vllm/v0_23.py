@@ -5,7 +5,8 @@ no drafts travel (no ``broadcast_drafts``), so with K > 0 each frame goes at
 sampler made them and receives L wide; ppsync pads to L with -1). A row
 needs a sample only while ``max(num_computed, prefill_len) + 1 <
 max_seq_len``, decode rows too (ppsync.compat.vllm.need_rules), so
-``max_seq_len_np`` is required."""
+``max_seq_len_np`` is required. The released ``idx_mapping`` is int32, as
+these releases return it (built from an int32 array)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class PPHandler023(PPHandler):
 
     interface = "0.23"
     sends_drafts = False
+    idx_mapping_dtype = torch.int32
     _view = staticmethod(any_row_cap_view)
 
     def get_prev_sampled_outputs(

@@ -26,6 +26,7 @@ class PPHandler034Cpu(PPHandler023):
 
     interface = "0.34-cpu"
     runner = "cpu"
+    idx_mapping_dtype = torch.int64  # 0.23's calls, but this release returns int64
     _view = staticmethod(final_prefill_cap_view)
 
     def __init__(
