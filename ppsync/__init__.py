@@ -32,6 +32,7 @@ from ppsync.errors import (
     ProtocolError,
     RankFailed,
     RoleError,
+    Stopped,
     SyncTimeout,
 )
 from ppsync.schemas import RankReport, RunReport, StepRecord, SyncConfig
@@ -59,6 +60,7 @@ __all__ = [
     "RoleError",
     "RunReport",
     "StepRecord",
+    "Stopped",
     "SyncConfig",
     "SyncTimeout",
     "TokenPath",

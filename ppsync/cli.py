@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
-from ppsync.errors import ConfigError, PPSyncError
+from ppsync.errors import ConfigError, PPSyncError, Stopped
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
@@ -255,6 +255,10 @@ def _launch(args: argparse.Namespace) -> int:
                            dump_dir=dump_dir)
     except ConfigError:
         raise
+    except Stopped as e:
+        print(f"ppsync: launch {e}", file=sys.stderr, flush=True)
+        point_at_dumps(dump_dir)
+        return 1
     except PPSyncError as e:  # the dumps' pointers are the last lines
         print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
         point_at_dumps(dump_dir)
