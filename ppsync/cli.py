@@ -12,6 +12,7 @@ failed), 2 on bad arguments or environment.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError, Stopped
+from ppsync.harness.paths import check_output_file
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
@@ -45,10 +47,31 @@ _positive = _at_least(1)
 _non_negative = _at_least(0)
 
 
+SECONDS_MAX = 86400.0
+"""The longest bound a flag takes (a day), as SyncConfig's timeout."""
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return v
+
+
 def _seconds(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{v} must be > 0 seconds")
+    v = _number(text)
+    if not 0 < v <= SECONDS_MAX:
+        raise argparse.ArgumentTypeError(f"{v} must be in (0, {SECONDS_MAX:.0f}] seconds")
+    return v
+
+
+def _jitter_us(text: str) -> float:
+    v = _number(text)
+    if not 0 <= v <= SECONDS_MAX * 1e6:
+        raise argparse.ArgumentTypeError(f"{v} must be in [0, {SECONDS_MAX * 1e6:.0f}] µs")
     return v
 
 
@@ -63,13 +86,13 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--codec", choices=["host", "device"], default="host",
                     help="frame codec: host (numpy, the CPU default) or device (torch ops, "
                     "checks deferred one step; runs on CPU tensors here)")
-    la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    la.add_argument("--timeout", type=_seconds, default=30.0, help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
                     help="carry tokens through the anyio services (default backend asyncio)")
     la.add_argument("--arrivals", type=_positive, default=4,
                     help="most requests arriving in one step (load; default 4)")
-    la.add_argument("--jitter-us", type=float, default=0.0,
+    la.add_argument("--jitter-us", type=_jitter_us, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
     la.add_argument("--join-timeout", type=_seconds, default=120.0, metavar="S",
@@ -126,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
                     "world group; token traffic runs on the dedicated group and on the world group")
     be.add_argument("--max-num-reqs", type=_positive, default=None,
                     help="request slots, the fixed frame's rows (default: rows)")
-    be.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    be.add_argument("--timeout", type=_seconds, default=30.0, help="bound on every wait (s)")
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
     vc = sub.add_parser("vllm-check", help="run the installed vLLM twice at "
@@ -184,16 +207,21 @@ def _bench(args: argparse.Namespace) -> int:
         compute_us=args.compute_us, warmup=args.warmup, hidden=args.hidden,
         max_num_reqs=args.max_num_reqs, timeout_s=args.timeout,
     )
+    if args.json is not None:
+        check_output_file("--json", args.json)
     report = run_bench(opts)
     print(format_tables(report))
     if args.json is not None:
-        args.json.write_text(report.model_dump_json(indent=2) + "\n")
+        try:
+            args.json.write_text(report.model_dump_json(indent=2) + "\n")
+        except OSError as e:
+            print(f"ppsync: --json {args.json}: not written: {e.strerror or e}",
+                  file=sys.stderr)
+            return 1
     return 0
 
 
 def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
-    if args.jitter_us < 0:
-        raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
     return SyncConfig.build(
         pp_size=pp_size,
         max_num_reqs=args.max_num_reqs,
@@ -217,16 +245,8 @@ def _dump_dir(args: argparse.Namespace) -> Path | None:
 def _check_report_path(args: argparse.Namespace) -> None:
     """--report FILE must be writable before the run starts (a bad argument,
     exit 2), not found out once the run is done."""
-    f: Path | None = args.report
-    if f is None:
-        return
-    if f.is_dir():
-        raise ConfigError(f"--report {f}: is a directory; give a file to write the report to")
-    parent = f.parent if str(f.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"--report {f}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (f.exists() and not os.access(f, os.W_OK)):
-        raise ConfigError(f"--report {f}: not writable")
+    if args.report is not None:
+        check_output_file("--report", args.report)
 
 
 def _finish(args: argparse.Namespace, report: RunReport) -> int:
