@@ -22,10 +22,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ppsync.core.dumps import dump_all, install_dump_triggers
+from ppsync.core.groups import pipeline_layout
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError, Stopped
 from ppsync.harness.paths import check_output_file
-from ppsync.harness.rank import RunOptions, run_rank
+from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
 from ppsync.schemas.config import SyncConfig
@@ -126,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--pp-size", type=_positive, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
+    ru.add_argument("--check", action="store_true",
+                    help="check the flags and the environment (variables, layout, device, "
+                    "--report) and exit 0, or 2 naming what is wrong, without joining")
     ru.add_argument("--run-id", default=None, metavar="ID",
                     help="name of this run in the store: every rank gives the same one "
                     "(default torchrun's TORCHELASTIC_RUN_ID; without either, each rank "
@@ -295,6 +299,12 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size or world.world_size)
     if world.rank == 0:
         _check_report_path(args)
+    if args.check:
+        pipeline_layout(world.world_size, config.pp_size)
+        rank_device(args.device, config.codec, world.local_rank)
+        print(f"ppsync: run --check: ok (world {world.world_size}, pp_size {config.pp_size}, "
+              f"device {args.device})", file=sys.stderr)
+        return 0
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
                       None if args.quiet else args.progress_every, args.join_timeout,
