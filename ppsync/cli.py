@@ -24,8 +24,8 @@ import torch.distributed as dist
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.groups import pipeline_layout
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
+from ppsync.debug.paths import check_output_file
 from ppsync.errors import ConfigError, PPSyncError, Stopped
-from ppsync.harness.paths import check_output_file
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining

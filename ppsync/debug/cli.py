@@ -22,10 +22,10 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from ppsync.debug.load import RankDump, Unreadable, load, validate_file, validators
+from ppsync.debug.paths import check_output_dir, check_output_file
 from ppsync.debug.show import analyse, format_report, group_dumps, pick_run
 from ppsync.debug.trace import trace
 from ppsync.errors import ConfigError
-from ppsync.harness.paths import check_output_dir, check_output_file
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.export import export
 

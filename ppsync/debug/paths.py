@@ -2,7 +2,7 @@
 write (``--report``, ``bench --json``, ``dump trace -o``) and a directory
 it will fill (``schema export``). A bad one is a :class:`ConfigError` naming
 the flag, the path and the rule (exit 2), never a traceback once the work is
-done."""
+done. Here, below cli.py, because the debug commands need it too."""
 
 from __future__ import annotations
 
