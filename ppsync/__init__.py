@@ -34,6 +34,7 @@ from ppsync.errors import (
     ProtocolError,
     RankFailed,
     RoleError,
+    Stopped,
     SyncTimeout,
 )
 from ppsync.schemas import RankReport, RunReport, StepRecord, SyncConfig
@@ -61,6 +62,7 @@ __all__ = [
     "RoleError",
     "RunReport",
     "StepRecord",
+    "Stopped",
     "SyncConfig",
     "SyncTimeout",
     "TokenPath",

@@ -12,6 +12,7 @@ failed), 2 on bad arguments or environment.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -26,10 +27,12 @@ from ppsync.core.completion import EMULATED, StreamOrdered
 from ppsync.core.device_kernels import resolve_device_kernels
 from ppsync.core.dumps import check_dump_dir, dump_all, install_dump_triggers
 from ppsync.core.frame.codec import check_frames
+from ppsync.core.groups import pipeline_layout
 from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.debug.cli import add_debug_commands, dump_files, point_at_dumps
-from ppsync.errors import ConfigError, PPSyncError
-from ppsync.harness.rank import RunOptions, run_rank
+from ppsync.debug.paths import check_output_file
+from ppsync.errors import ConfigError, PPSyncError, Stopped
+from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
 from ppsync.schemas.config import DeviceKernelsName, HostKernelsName, SyncConfig
@@ -51,10 +54,31 @@ _positive = _at_least(1)
 _non_negative = _at_least(0)
 
 
+SECONDS_MAX = 86400.0
+"""The longest bound a flag takes (a day), as SyncConfig's timeout."""
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return v
+
+
 def _seconds(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{v} must be > 0 seconds")
+    v = _number(text)
+    if not 0 < v <= SECONDS_MAX:
+        raise argparse.ArgumentTypeError(f"{v} must be in (0, {SECONDS_MAX:.0f}] seconds")
+    return v
+
+
+def _jitter_us(text: str) -> float:
+    v = _number(text)
+    if not 0 <= v <= SECONDS_MAX * 1e6:
+        raise argparse.ArgumentTypeError(f"{v} must be in [0, {SECONDS_MAX * 1e6:.0f}] µs")
     return v
 
 
@@ -75,13 +99,13 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--host-kernels", choices=get_args(HostKernelsName), default="auto",
                     help="the host codec's kernels: numba, numpy or auto (numba where it "
                     "loads, else numpy; default auto)")
-    la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    la.add_argument("--timeout", type=_seconds, default=30.0, help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
                     help="carry tokens through the anyio services (default backend asyncio)")
     la.add_argument("--arrivals", type=_positive, default=4,
                     help="most requests arriving in one step (load; default 4)")
-    la.add_argument("--jitter-us", type=float, default=0.0,
+    la.add_argument("--jitter-us", type=_jitter_us, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
     la.add_argument("--emulate", choices=list(EMULATED), default=None,
@@ -118,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--pp-size", type=_positive, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
+    ru.add_argument("--check", action="store_true",
+                    help="check the flags and the environment (variables, layout, device, "
+                    "--report) and exit 0, or 2 naming what is wrong, without joining")
     ru.add_argument("--run-id", default=None, metavar="ID",
                     help="name of this run in the store: every rank gives the same one "
                     "(default torchrun's TORCHELASTIC_RUN_ID; without either, each rank "
@@ -141,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
                     "world group; token traffic runs on the dedicated group and on the world group")
     be.add_argument("--max-num-reqs", type=_positive, default=None,
                     help="request slots, the fixed frame's rows (default: rows)")
-    be.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    be.add_argument("--timeout", type=_seconds, default=30.0, help="bound on every wait (s)")
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
     vc = sub.add_parser("vllm-check", help="run the installed vLLM twice at "
@@ -199,16 +226,21 @@ def _bench(args: argparse.Namespace) -> int:
         compute_us=args.compute_us, warmup=args.warmup, hidden=args.hidden,
         max_num_reqs=args.max_num_reqs, timeout_s=args.timeout,
     )
+    if args.json is not None:
+        check_output_file("--json", args.json)
     report = run_bench(opts)
     print(format_tables(report))
     if args.json is not None:
-        args.json.write_text(report.model_dump_json(indent=2) + "\n")
+        try:
+            args.json.write_text(report.model_dump_json(indent=2) + "\n")
+        except OSError as e:
+            print(f"ppsync: --json {args.json}: not written: {e.strerror or e}",
+                  file=sys.stderr)
+            return 1
     return 0
 
 
 def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
-    if args.jitter_us < 0:
-        raise ConfigError(f"--jitter-us = {args.jitter_us} must be >= 0")
     config = SyncConfig.build(
         pp_size=pp_size,
         max_num_reqs=args.max_num_reqs,
@@ -257,16 +289,8 @@ def _point_at_dumps(args: argparse.Namespace) -> None:
 def _check_report_path(args: argparse.Namespace) -> None:
     """--report FILE must be writable before the run starts (a bad argument,
     exit 2), not found out once the run is done."""
-    f: Path | None = args.report
-    if f is None:
-        return
-    if f.is_dir():
-        raise ConfigError(f"--report {f}: is a directory; give a file to write the report to")
-    parent = f.parent if str(f.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"--report {f}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (f.exists() and not os.access(f, os.W_OK)):
-        raise ConfigError(f"--report {f}: not writable")
+    if args.report is not None:
+        check_output_file("--report", args.report)
 
 
 def _finish(args: argparse.Namespace, report: RunReport) -> int:
@@ -295,6 +319,10 @@ def _launch(args: argparse.Namespace) -> int:
                            dump_dir=dump_dir, emulate=args.emulate)
     except ConfigError:
         raise
+    except Stopped as e:
+        print(f"ppsync: launch {e}", file=sys.stderr, flush=True)
+        point_at_dumps(dump_dir)
+        return 1
     except PPSyncError as e:  # the dumps' pointers are the last lines
         print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
         _point_at_dumps(args)
@@ -311,6 +339,12 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size or world.world_size)
     if world.rank == 0:
         _check_report_path(args)
+    if args.check:
+        pipeline_layout(world.world_size, config.pp_size)
+        rank_device(args.device, config.codec, world.local_rank)
+        print(f"ppsync: run --check: ok (world {world.world_size}, pp_size {config.pp_size}, "
+              f"device {args.device})", file=sys.stderr)
+        return 0
     opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
                       {"max_arrivals": args.arrivals},
                       None if args.quiet else args.progress_every, args.join_timeout,

@@ -20,6 +20,7 @@ __all__ = [
     "ProtocolError",
     "RankFailed",
     "RoleError",
+    "Stopped",
     "SyncTimeout",
 ]
 
@@ -104,6 +105,18 @@ class RankFailed(PPSyncError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (RankFailed, (str(self), self.errors))
+
+
+class Stopped(PPSyncError):
+    """Raised when a launcher was asked to stop (SIGTERM, SIGINT) and ended
+    its ranks and its store; ``signum`` is the signal."""
+
+    def __init__(self, message: str, signum: int = 0):
+        super().__init__(message)
+        self.signum = signum
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (Stopped, str(self), {"signum": self.signum}))
 
 
 def _rebuild(cls: type[PPSyncError], message: str, fields: dict[str, object]) -> PPSyncError:

@@ -21,7 +21,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
 from ppsync.debug.load import RankDump, Unreadable, load, validate_file, validators
+from ppsync.debug.paths import check_output_dir, check_output_file
 from ppsync.debug.trace import trace
 from ppsync.debug.world import (
     WorldKey,
@@ -31,6 +35,7 @@ from ppsync.debug.world import (
     pick_world,
     world_groups,
 )
+from ppsync.errors import ConfigError
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.export import export
 
@@ -43,8 +48,28 @@ def _expand(files: list[Path]) -> list[Path]:
     return out
 
 
+def _schema_checks(schemas: Path | None) -> dict[str, Draft202012Validator]:
+    """The validators, from ``--schemas DIR`` when given: a missing directory
+    or a schema file that cannot be read or is not a JSON Schema is a bad
+    argument (exit 2), not a traceback."""
+    if schemas is not None and not schemas.is_dir():
+        raise ConfigError(f"--schemas {schemas}: not a directory (give the directory "
+                          "`ppsync schema export` wrote)")
+    try:
+        checks = validators(schemas)
+        for check in checks.values():
+            type(check).check_schema(check.schema)
+    except OSError as e:
+        raise ConfigError(f"--schemas {schemas}: {e.filename}: {e.strerror}") from None
+    except ValueError as e:  # json.JSONDecodeError
+        raise ConfigError(f"--schemas {schemas}: a schema file is not JSON: {e}") from None
+    except SchemaError as e:
+        raise ConfigError(f"--schemas {schemas}: not a JSON Schema: {e.message}") from None
+    return checks
+
+
 def _validate(args: argparse.Namespace) -> int:
-    checks = validators(args.schemas)
+    checks = _schema_checks(args.schemas)
     bad = 0
     files = _expand(args.files)
     if not files:
@@ -98,19 +123,30 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    check_output_file("-o", args.output)
     key, dumps = _load_all(args.files, args.run_id)
     if key is None:
         return 1
     dumps = [d for g in world_groups(dumps) for d in g]
     doc = trace(dumps)
-    args.output.write_text(json.dumps(doc) + "\n")
+    try:
+        args.output.write_text(json.dumps(doc) + "\n")
+    except OSError as e:
+        print(f"ppsync: -o {args.output}: not written: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"{args.output}: {len(doc['traceEvents'])} trace events from {len(dumps)} dumps "
           "(open in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    for path in export(args.directory):
+    check_output_dir("schema export", args.directory)
+    try:
+        written = export(args.directory)
+    except OSError as e:
+        raise ConfigError(f"schema export {args.directory}: {e.filename}: "
+                          f"{e.strerror}") from None
+    for path in written:
         print(path)
     return 0
 

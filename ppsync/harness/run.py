@@ -45,7 +45,10 @@ def run_local(
     # the whole run gets the collective timeout plus the time the steps take
     budget = config.timeout_s + steps * (0.01 + jitter_us / 1e6) * world
     env = {} if dump_dir is None else {DUMP_DIR_ENV: str(dump_dir)}
-    return spawn_world(target, world, timeout_s=budget, env=env)[0]
+    # once a rank failed, the others fail on their own timeout (naming the lost
+    # rank) or are ended soon after: the budget is a last resort
+    return spawn_world(target, world, timeout_s=budget, env=env,
+                       failed_grace_s=config.timeout_s + 5.0)[0]
 
 
 def format_table(report: RunReport) -> str:

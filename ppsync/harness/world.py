@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
@@ -118,12 +120,18 @@ class WorldEnv:
             self._arrive(store, scope, run_id, deadline, join_timeout_s)
             left = max(1.0, deadline - time.monotonic())
             try:
-                dist.init_process_group(
+                # in a thread of its own: the main thread waits in slices, so a
+                # signal's handler runs (SIGTERM ends the rank) while torch's
+                # rendezvous blocks in C++ (a stale arrival key lets a rank get here
+                # while a peer is still far from it)
+                interruptible(lambda: dist.init_process_group(
                     "gloo", store=PrefixStore(f"{scope}/world", store), rank=self.rank,
                     world_size=self.world_size, timeout=datetime.timedelta(seconds=left),
-                )
+                ))
             except RuntimeError as e:  # torch's DistError family: the store, the rendezvous
-                raise self._join_timeout(join_timeout_s, f"{type(e).__name__}: {e}") from e
+                seen = _other_runs(store, self, run_id)
+                why = seen or f"the rendezvous did not complete ({_first_line(e)})"
+                raise self._join_timeout(join_timeout_s, why) from None
             # The board's own connection, so a board call stuck on a cut link never
             # holds the rendezvous' one. When the link is cut, TCPStore's client does
             # not give up, so FailureBoard bounds each call itself
@@ -138,24 +146,51 @@ class WorldEnv:
             f"{self.master_addr}:{self.master_port} within join timeout = "
             f"{join_timeout_s} s: {why}")
 
+    def _cannot_join(self, why: str) -> ConfigError:
+        return ConfigError(f"rank {self.rank} of {self.world_size} could not join: {why}")
+
     def _store_client(self, deadline: float, join_timeout_s: float) -> TCPStore:
-        """The store: hosted here (plain env://, rank 0), or reached in slices
-        until the deadline (its host may not be listening yet)."""
+        """The store: hosted here (plain env://, rank 0), or reached once its
+        host listens. Every wait is a Python socket call of at most
+        :data:`JOIN_SLICE_S` (a signal's handler runs between them), and no
+        TCPStore client is made before the host accepts a connection: each
+        failed attempt of torch's client logs a C++ stack trace."""
         full = datetime.timedelta(seconds=join_timeout_s)
+        where = f"MASTER_ADDR:MASTER_PORT = {self.master_addr}:{self.master_port}"
         if self.hosts_store:
-            return TCPStore(self.master_addr, self.master_port, self.world_size,
-                            is_master=True, timeout=full, wait_for_workers=False)
+            try:
+                _resolve(self.master_addr, self.master_port)
+            except OSError as e:
+                raise self._cannot_join(f"MASTER_ADDR = {self.master_addr!r} does not resolve "
+                                        f"({e.strerror or e}); it names this host, which "
+                                        "serves the store") from None
+            try:  # the server listens on every address; its own client uses loopback
+                store = TCPStore("127.0.0.1", self.master_port, self.world_size,
+                                 is_master=True, timeout=full, wait_for_workers=False)
+            except RuntimeError as e:  # EADDRINUSE, EACCES
+                raise self._cannot_join(f"cannot serve the store on port {self.master_port} "
+                                        f"(MASTER_PORT): {_first_line(e)}") from None
+            # every other rank connects at MASTER_ADDR: it must reach this store
+            error = _wait_until_listening(self.master_addr, self.master_port, deadline)
+            if error is not None:
+                raise self._cannot_join(f"{where} does not reach the store this rank serves "
+                                        f"within join timeout = {join_timeout_s} s ({error}); "
+                                        "the other ranks could not reach it either")
+            return store
         while True:
+            error = _wait_until_listening(self.master_addr, self.master_port, deadline)
+            if error is not None:
+                raise self._join_timeout(join_timeout_s, f"no store answered ({error})")
             left = deadline - time.monotonic()
             try:
                 store = TCPStore(
                     self.master_addr, self.master_port, self.world_size, is_master=False,
-                    timeout=datetime.timedelta(seconds=max(0.05, min(JOIN_SLICE_S, left))),
+                    timeout=datetime.timedelta(seconds=max(JOIN_SLICE_S, min(5.0, left))),
                     wait_for_workers=False)
-            except RuntimeError as e:  # not listening yet (DistStoreError / DistNetworkError)
+            except RuntimeError as e:  # its host went away again
                 if left <= JOIN_SLICE_S:
                     raise self._join_timeout(
-                        join_timeout_s, f"no store answered ({type(e).__name__}: {e})") from e
+                        join_timeout_s, f"no store answered ({_first_line(e)})") from None
                 continue
             store.set_timeout(full)
             return store
@@ -173,6 +208,12 @@ class WorldEnv:
                     raise self._join_timeout(join_timeout_s,
                                              _never_arrived(store, self, run_id, missing))
                 time.sleep(JOIN_POLL_S)
+            # An arrival key of an earlier process of a rank (one that counted this
+            # run, arrived and died) also passes the check: a rank now counted in
+            # another run will never join this one
+            seen = _other_runs(store, self, run_id)
+            if seen:
+                raise self._join_timeout(join_timeout_s, seen)
         except RuntimeError as e:  # the store's host went away (DistNetworkError)
             host = "its host" if self.agent_store else "its host, rank 0,"
             raise self._join_timeout(
@@ -233,17 +274,88 @@ def _run_base(world: WorldEnv, run_id: str | None) -> str:
 
 def _never_arrived(store: Store, world: WorldEnv, run_id: str | None,
                    missing: list[int]) -> str:
-    """Names the ranks that never arrived, and the run each counts on this
-    store when it differs from this rank's (an earlier run lost a rank
-    before it joined: give every rank one --run-id)."""
+    """Names the ranks that never arrived, and what this store counts for
+    each when it differs from this rank's run."""
     names = ", ".join(f"rank {r}" for r in missing)
+    return f"never arrived: {names}" + "".join(
+        f" ({seen})" for seen in [_other_runs(store, world, run_id, missing)] if seen)
+
+
+def _other_runs(store: Store, world: WorldEnv, run_id: str | None,
+                ranks: list[int] | None = None) -> str:
+    """'' when this store counts every rank of ``ranks`` (default all) in
+    this rank's run; else what it counts for each that differs, and the
+    remedy: an earlier run on the store lost ranks before they joined (or a
+    rank has not started yet), so the counts no longer meet."""
     base = _run_base(world, run_id)
     mine = store.add(f"{base}/runs_of_rank/{world.rank}", 0)
-    other = {r: store.add(f"{base}/runs_of_rank/{r}", 0) for r in missing}
-    ahead = [r for r, n in other.items() if n not in (mine, mine - 1)]
-    text = f"never arrived: {names}"
-    if ahead:
-        text += (f" (this store counts run {mine} for this rank but "
-                 + ", ".join(f"run {other[r]} for rank {r}" for r in ahead)
-                 + ": an earlier run lost ranks; give every rank the same --run-id)")
-    return text
+    seen = []
+    for r in range(world.world_size) if ranks is None else ranks:
+        n = store.add(f"{base}/runs_of_rank/{r}", 0)
+        if n != mine:
+            where = "arrived there" if store.check([f"{base}/run_{n}/arrived/{r}"]) else ""
+            seen.append(f"rank {r} in run {n}" + (f", {where}" if where else ""))
+    if not seen:
+        return ""
+    return (f"this store counts this rank in run {mine} and " + "; ".join(seen)
+            + ": an earlier run on this store lost ranks (or a rank has not started); "
+            "give every rank the same --run-id")
+
+
+def _first_line(e: BaseException) -> str:
+    """An error of torch's, in one line and without the store keys it waited
+    for: ``DistStoreError: wait timeout after 5000ms``."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text.split(', keys:')[0]}"
+
+
+def _resolve(addr: str, port: int) -> list[tuple[int, tuple[object, ...]]]:
+    """The TCP addresses ``addr`` resolves to (socket.gaierror if none)."""
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    return [(family, sockaddr) for family, _, _, _, sockaddr in infos]
+
+
+def _wait_until_listening(addr: str, port: int, deadline: float) -> str | None:
+    """Connect to ``addr:port`` and close, in attempts of at most
+    :data:`JOIN_SLICE_S`, until one succeeds (None) or the deadline passes
+    (the last error, in words)."""
+    error = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            for family, sockaddr in _resolve(addr, port):
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.settimeout(max(0.05, min(JOIN_SLICE_S, left)))
+                    try:
+                        s.connect(sockaddr)
+                    except OSError as e:
+                        error = f"{addr}:{port}: {e.strerror or type(e).__name__}"
+                        continue
+                    return None
+        except socket.gaierror as e:
+            error = f"MASTER_ADDR = {addr!r} does not resolve ({e.strerror})"
+        if time.monotonic() >= deadline:
+            return error
+        time.sleep(min(JOIN_POLL_S * 4, max(0.0, deadline - time.monotonic())))
+
+
+def interruptible(call: Callable[[], T]) -> T:
+    """Run ``call`` (a blocking call into torch's C++) in a thread of its own
+    and wait for it in slices of :data:`JOIN_SLICE_S`, so that this thread's
+    signal handlers still run (SIGTERM ends a joining rank at once)."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as e:  # handed to the waiting thread, raised there
+            box["error"] = e
+
+    t = threading.Thread(target=body, name="ppsync-join", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(JOIN_SLICE_S)
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value

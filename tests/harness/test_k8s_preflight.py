@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from netns import IFNAME, Hosts, netns_unavailable
 
@@ -162,6 +163,46 @@ def test_the_script_refuses_a_worker_index_outside_the_group(tmp_path: Path) -> 
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30,
                           check=False)
     assert proc.returncode == 2 and "LWS_LEADER_ADDRESS is not set" in proc.stderr
+
+
+BAD_VALUES = [
+    pytest.param({"PPSYNC_PP_SIZE": "abc"}, "PPSYNC_PP_SIZE = 'abc' must be an integer",
+                 id="pp-size-abc"),
+    pytest.param({"PPSYNC_PP_SIZE": "0"}, "PPSYNC_PP_SIZE = 0 must be >= 1", id="pp-size-0"),
+    pytest.param({"PPSYNC_PP_SIZE": "3"}, "pp_size = 3 must divide world_size = 2",
+                 id="pp-size-not-a-divisor"),
+    pytest.param({"PPSYNC_STEPS": "-5"}, "argument --steps", id="steps-negative"),
+    pytest.param({"PPSYNC_DEVICE": "cuda"}, "--device cuda", id="cuda-without-one"),
+    pytest.param({"PPSYNC_TIMEOUT": "0"}, "argument --timeout", id="timeout-0"),
+    pytest.param({"PPSYNC_PORT": "70000"}, "PPSYNC_PORT = 70000 must be >= 1 and <= 65535",
+                 id="port-70000"),
+    pytest.param({"PPSYNC_OUT_DIR": "/proc/preflight"}, "PPSYNC_OUT_DIR: cannot make",
+                 id="out-dir-unwritable"),
+    pytest.param({"LWS_GROUP_SIZE": "99999999999999999999"},
+                 "LWS_GROUP_SIZE = 99999999999999999999 must be an integer >= 1",
+                 id="group-size-oversized"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("bad", "says"), BAD_VALUES)
+def test_a_bad_value_exits_2_with_one_line_and_the_last_line(
+    tmp_path: Path, bad: dict[str, str], says: str
+) -> None:
+    """Found before torchrun starts: one line naming the value on stderr, the
+    documented last line on stdout, exit 2 (never torchrun's traceback)."""
+    lws = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}
+    command, env = render_pod("leader", lws, tmp_path,
+                              {"PPSYNC_DEVICE": "cpu", "PPSYNC_NPROC_PER_NODE": "1", **bad})
+    if env.get("PPSYNC_DEVICE") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device")
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=90,
+                          check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Illegal number" not in proc.stderr, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and says in err[0], proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].endswith(": exit code 2"), proc.stdout
 
 
 WHY_NOT = netns_unavailable()

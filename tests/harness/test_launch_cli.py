@@ -101,7 +101,7 @@ def test_launch_async_reports_async_mode(
         (["--pp-size", "2", "--spec", "-1"], r"num_speculative_steps = -1"),
         (["--pp-size", "2", "--max-num-reqs", "0"], r"--max-num-reqs: .*0 must be >= 1"),
         (["--pp-size", "2", "--wire", "tight"], r"--wire: invalid choice: 'tight'"),
-        (["--pp-size", "2", "--timeout", "0"], r"timeout_s = 0\.0"),
+        (["--pp-size", "2", "--timeout", "0"], r"--timeout: 0\.0 must be in \(0, 86400\]"),
     ],
     ids=["ring-depth-over-pp-size", "pp-size-zero", "spec-negative", "max-num-reqs-zero",
          "wire-unknown", "timeout-zero"],

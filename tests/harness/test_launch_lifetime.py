@@ -1,0 +1,147 @@
+"""``ppsync launch`` as a real process: what it leaves behind when it is told
+to stop, when it is killed, and when one of its ranks stops answering.
+
+- SIGTERM (what ``timeout``, CI runners and ``docker stop`` send) ends every
+  rank and the store process: none is left 10 s later, and launch says why
+  in one line, exit code 1.
+- SIGKILL to launch (no cleanup can run): its children end with it.
+- A SIGSTOPped rank: the survivors fail on their own timeout and launch
+  ends the stuck rank after a grace, within ``--timeout`` + 30 s, instead
+  of waiting out the whole step budget.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+LAUNCH = [sys.executable, "-m", "ppsync", "launch", "--pp-size", "2", "--steps", "10000000",
+          "--timeout", "5", "--max-num-reqs", "8", "--progress-every", "0.5"]
+
+
+def _children(pid: int) -> list[int]:
+    """Every process whose parent is ``pid``, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _started(pid: int) -> int:
+    """The clock tick ``pid`` started at (/proc/PID/stat, field 22)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def _alive(pid: int) -> bool:
+    """Running, stopped or sleeping: anything but gone or a zombie (PID 1
+    in a container may never reap what it inherits)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Launch:
+    """A ``ppsync launch`` process, its stderr in a file, its children."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.err_path = tmp / "launch.err"
+        with open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(LAUNCH, stdout=subprocess.DEVNULL, stderr=err)
+        self.children: list[int] = []
+
+    def err(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_mid_run(self, timeout_s: float = 60.0) -> None:
+        """Until rank 0 printed a progress line; then note the children
+        (the store process and both ranks)."""
+        deadline = time.monotonic() + timeout_s
+        while "ppsync: step " not in self.err():
+            assert self.proc.poll() is None, self.err()
+            assert time.monotonic() < deadline, f"no progress line:\n{self.err()}"
+            time.sleep(0.1)
+        self.children = sorted(_children(self.proc.pid), key=_started)
+        assert len(self.children) == 3, self.children
+
+    def ended_within(self, timeout_s: float) -> float | None:
+        """Seconds until launch exited, None if it did not within timeout_s."""
+        t0 = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return time.monotonic() - t0
+
+    def left_after(self, wait_s: float) -> list[int]:
+        """The children still alive ``wait_s`` seconds from now (or sooner,
+        once every one has ended)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(_alive(p) for p in self.children):
+            time.sleep(0.1)
+        return [p for p in self.children if _alive(p)]
+
+    def close(self) -> None:
+        for pid in [self.proc.pid, *self.children]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Launch]:
+    run = Launch(tmp_path)
+    try:
+        yield run
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_launch_ends_every_rank_and_the_store(launch: Launch) -> None:
+    launch.wait_mid_run()
+    t0 = time.monotonic()
+    launch.proc.send_signal(signal.SIGTERM)
+    took = launch.ended_within(10.0)
+    left = launch.left_after(max(0.0, 10.0 - (time.monotonic() - t0)))
+    assert took is not None, f"launch still running 10 s after SIGTERM:\n{launch.err()}"
+    assert left == [], f"left running 10 s after SIGTERM: {left}"
+    assert launch.proc.returncode == 1, launch.err()
+    assert "ppsync: launch stopped by SIGTERM" in launch.err(), launch.err()
+    assert "Traceback" not in launch.err(), launch.err()
+
+
+@pytest.mark.timeout(120)
+def test_the_children_end_when_launch_is_killed(launch: Launch) -> None:
+    launch.wait_mid_run()
+    launch.proc.send_signal(signal.SIGKILL)
+    assert launch.ended_within(10.0) is not None
+    assert launch.left_after(10.0) == [], "the ranks or the store outlived launch"
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_rank_does_not_hold_launch_past_its_timeout(launch: Launch) -> None:
+    launch.wait_mid_run()
+    rank1 = launch.children[-1]  # in start order: the store process, rank 0, rank 1
+    os.kill(rank1, signal.SIGSTOP)
+    took = launch.ended_within(5 + 30)
+    assert took is not None, f"launch still running 35 s after rank 1 stopped:\n{launch.err()}"
+    assert launch.left_after(10.0) == []
+    err = launch.err()
+    assert launch.proc.returncode == 1, err
+    assert "RankFailed" in err and "silent peer rank(s) 1" in err, err
