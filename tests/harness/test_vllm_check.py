@@ -275,6 +275,10 @@ def test_per_rank_report_at_pp_3_with_a_middle_rank() -> None:
     assert ("steps whose received outputs had a row with num_sampled > 1: 14 of 20 "
             "(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, ...)") in text
     assert "PASS: ppsync's handler was built in all 3 workers" in text
+    blind = (*workers[:1], dataclasses.replace(workers[1], multi_steps=()), *workers[2:])
+    assert failures(base, dataclasses.replace(ours, workers=blind), 3, spec=2) == [
+        "ppsync's plugin: vLLM accepted drafts but PP rank 1's handler saw no step with a row "
+        "of num_sampled > 1"]
     assert failures(base, dataclasses.replace(ours, workers=workers[:2]), 3)[0].endswith(
         "from PP ranks [0, 1], expected 0..2 (a worker that built no model runner, or whose "
         "hook did not load)")

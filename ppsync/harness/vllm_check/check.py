@@ -99,6 +99,10 @@ SYNC_METHOD_WARNING = (
     "vLLM itself turns async scheduling off for method {method!r} (and refuses it when asked "
     "explicitly), so the hook leaves it off: on CPU with PP > 1 this run is expected to fail "
     "or hang in vLLM (bounded by --timeout); ngram_gpu runs with async scheduling")
+MIDDLE_NOTE = ("{ranks} in the middle of the pipeline: a middle rank receives hidden states "
+               "from the rank before and sends its own to the next, and gets the last rank's "
+               "sampled tokens (and drafts) through the handler as rank 0 does; it relays "
+               "EAGLE3's aux hidden states only with an EAGLE3 draft model (not this check's)")
 LOG_TAIL = 40
 
 
@@ -317,6 +321,10 @@ def run_check(opts: VllmCheckOptions) -> int:
                                               "TRITON_INTERPRET") if k in env),
         f"  work directory: {work}",
     ]
+    if opts.pp_size > 2:
+        ranks = ("PP rank 1 is" if opts.pp_size == 3 else
+                 f"PP ranks 1-{opts.pp_size - 2} are")
+        header.append(f"  note: {MIDDLE_NOTE.format(ranks=ranks)}")
     if standin:
         header.append(f"  note: {STANDIN_NOTE}")
     for name in workarounds(opts, standin=standin, cpu=cpu):

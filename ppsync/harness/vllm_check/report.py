@@ -201,7 +201,8 @@ def spec_failures(run: RunResult) -> list[str]:
         return [f"{run.label}: no draft token was accepted ({run.spec.text()}): the draft path "
                 "was not tested (prompts whose continuations repeat, or more --max-tokens, "
                 "give the proposer matches)"]
-    return []
+    return [f"{run.label}: vLLM accepted drafts but PP rank {w.pp_rank}'s handler saw no step "
+            "with a row of num_sampled > 1" for w in run.workers if w.steps and not w.multi_steps]
 
 
 def failures(base: RunResult, ours: RunResult, pp_size: int, spec: int = 0) -> list[str]:
