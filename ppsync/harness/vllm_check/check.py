@@ -11,8 +11,11 @@ worker hooks (ppsync.harness.vllm_check.worker_hooks) through a
 other ``sitecustomize``); the hooks record which handler class every worker
 built and time its calls. The report
 (ppsync.harness.vllm_check.report) says which handler each worker built,
-whether the tokens are identical, and the time per ``generate`` and per
-``receive``.
+whether the tokens are identical, and per PP rank the time of each handler
+call. With ``spec`` (K > 0) both runs use speculative decoding (vLLM's
+``spec_method``, default ngram_gpu) on prompts that repeat a pattern, and the
+report adds vLLM's acceptance counters; on CPU the hooks then apply two
+vLLM-side work-arounds (:func:`workarounds`), each printed as a note.
 
 Both runs use Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``): that is the
 runner whose ``PPHandler`` ppsync replaces. On a machine without CUDA, vLLM's
@@ -22,7 +25,8 @@ check registers a stand-in one for its runs and runs the kernels in
 Triton's interpreter (``TRITON_INTERPRET=1``), and says so.
 
 Exit status: 0 pass; 1 fail (a worker of the second run did not build
-ppsync's handler, the tokens differ, or the ppsync run broke); 2 bad
+ppsync's handler, the tokens differ, the ppsync run broke, or with K > 0 no
+draft was accepted: the draft path was not tested); 2 bad
 environment (no vLLM or no Triton in this Python, or vLLM's own run broke).
 """
 
