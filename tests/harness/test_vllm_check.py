@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -493,3 +494,39 @@ def test_vllm_origin_names_the_distribution_and_source(monkeypatch: pytest.Monke
         monkeypatch.setattr(importlib.metadata, "distribution",
                             lambda name, d=direct: dist(d))
         assert check.vllm_origin() == want
+
+
+LINGERING = '''\
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(float(sys.argv[2]))
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"  # a zombie waiting for its parent to reap it is gone
+
+
+@pytest.mark.parametrize(("sleep_s", "timeout_s", "want"), [(120.0, 3.0, None), (0.0, 60.0, 0)])
+def test_a_run_leaves_no_process_behind(tmp_path: Path, sleep_s: float, timeout_s: float,
+                                        want: int | None) -> None:
+    """A vLLM run that hangs, or ends leaving its engine core behind: the
+    check kills every process the run started (a real child and grandchild)."""
+    script, pid_file = tmp_path / "run.py", tmp_path / "pid"
+    script.write_text(LINGERING)
+    with (tmp_path / "log").open("w") as out:
+        rc = check.run_bounded([sys.executable, str(script), str(pid_file), str(sleep_s)],
+                               dict(os.environ), out, tmp_path, timeout_s)
+    assert rc == want
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not _alive(grandchild)

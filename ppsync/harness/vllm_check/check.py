@@ -32,16 +32,19 @@ environment (no vLLM or no Triton in this Python, or vLLM's own run broke).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from ppsync.compat.vllm.plugin import ENV_SWITCH
 from ppsync.compat.vllm.versions import VLLM_DISTRIBUTIONS, installed_vllm_version
@@ -244,6 +247,26 @@ def workarounds(opts: VllmCheckOptions, *, standin: bool, cpu: bool) -> list[str
     return (["mask_cast"] if standin else []) + ["async_scheduling"]
 
 
+def run_bounded(cmd: list[str], env: dict[str, str], out: IO[str], cwd: Path,
+                timeout_s: float) -> int | None:
+    """Run ``cmd`` in a session of its own, output to ``out``; its exit status,
+    or None when it ran past ``timeout_s``. Then (or when the check is
+    interrupted) every process left in its session is killed: a vLLM run that
+    hangs (or dies) leaves its engine core and workers behind otherwise."""
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+    rc: int | None = None
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # also when the check itself is interrupted
+        with contextlib.suppress(ProcessLookupError):  # none left in the session
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return rc
+
+
 def _run(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
          spec_file: Path, timeout_s: float) -> RunResult:
     run_dir = work / name
@@ -259,12 +282,9 @@ def _run(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
     cmd = [sys.executable, "-m", "ppsync.harness.vllm_check.engine", str(spec_file), str(out)]
     error = None
     with log.open("w") as f:
-        try:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, timeout=timeout_s, check=False,
-                                cwd=work).returncode
-        except subprocess.TimeoutExpired:
-            rc, error = None, f"still running after {timeout_s:.0f} s (killed)"
+        rc = run_bounded(cmd, env, f, work, timeout_s)
+    if rc is None:
+        error = f"still running after {timeout_s:.0f} s (killed, with every process it started)"
     if error is None and (rc != 0 or not out.exists()):
         tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
         error = f"exit status {rc}; the last lines of {log}:\n" + "\n".join(
