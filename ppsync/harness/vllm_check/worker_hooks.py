@@ -157,7 +157,8 @@ def rows_sampling_more(name: str, args: Sequence[Any], kwargs: dict[str, Any],
     """The rows with ``num_sampled > 1`` in a step's sampled outputs: the
     last rank's ``broadcast(sampled, num_sampled, ...)`` or what a receiver's
     ``get_prev_sampled_outputs`` returned; None for another call or one
-    without outputs."""
+    without outputs. Read after the call is timed (on a GPU, a copy back to
+    the host per step)."""
     if name == "broadcast":
         num_sampled = kwargs.get("num_sampled", args[1] if len(args) > 1 else None)
     elif name == "get_prev_sampled_outputs" and isinstance(result, dict):
@@ -287,7 +288,9 @@ def install_from_env() -> None:
     seed = os.environ.get(ENV_SEED)
     if seed:
         patches[DUMMY_LOADER] = _reseeder(int(seed))
-    for name in [n for n in patches if n in sys.modules]:  # imported already (the
-        patches.pop(name)(sys.modules[name])  # stand-in's import of triton imports Triton's
-    if patches:  # interpreter)
+    # a module imported already is patched now (the stand-in's import of
+    # Triton imports Triton's interpreter), the others when they are imported
+    for name in [n for n in patches if n in sys.modules]:
+        patches.pop(name)(sys.modules[name])
+    if patches:
         sys.meta_path.insert(0, _AfterImport(patches))
