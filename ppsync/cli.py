@@ -172,14 +172,23 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
     vc = sub.add_parser("vllm-check", help="run the installed vLLM twice at "
-                        "pipeline_parallel_size 2 on a small dummy model, with vLLM's own "
+                        "pipeline_parallel_size 2 (or --pp-size), optionally with speculative "
+                        "decoding (--spec K), on a small dummy model, with vLLM's own "
                         "PPHandler and with ppsync's plugin: the handler each worker built, "
                         "whether the tokens are identical, the time per generate and receive "
                         "(0 pass, 1 fail, 2 no vLLM here: `make vllm-check`)")
-    vc.add_argument("--pp-size", type=_at_least(2), default=2, help="pipeline stages (default 2)")
+    vc.add_argument("--pp-size", type=_at_least(2), default=2,
+                    help="pipeline stages (default 2; 3 and up: middle ranks)")
+    vc.add_argument("--spec", type=_non_negative, default=0, metavar="K",
+                    help="speculative decoding with K draft tokens per step in both runs, on "
+                    "prompts with repeating patterns; the check then also needs drafts "
+                    "accepted (default 0: none)")
+    vc.add_argument("--spec-method", default="ngram_gpu", metavar="M",
+                    help="vLLM's speculative method with --spec (default ngram_gpu: a "
+                    "model-free proposer that runs with async scheduling)")
     vc.add_argument("--prompts", type=_positive, default=4, help="prompts (default 4)")
-    vc.add_argument("--max-tokens", type=_positive, default=12,
-                    help="new tokens per prompt (default 12)")
+    vc.add_argument("--max-tokens", type=_positive, default=None,
+                    help="new tokens per prompt (default 12; 32 with --spec)")
     vc.add_argument("--repeat", type=_positive, default=2,
                     help="generate calls per run, each on every prompt (default 2)")
     vc.add_argument("--seed", type=_non_negative, default=0,
@@ -197,16 +206,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
+
+
 def _vllm_check(args: argparse.Namespace) -> int:
     from ppsync.harness.vllm_check import VllmCheckOptions, run_check
 
     if args.hidden % 32:
         raise ConfigError(f"--hidden = {args.hidden} must be a multiple of 32 (the head size)")
     return run_check(VllmCheckOptions(
-        pp_size=args.pp_size, prompts=args.prompts, max_tokens=args.max_tokens,
+        pp_size=args.pp_size, prompts=args.prompts,
+        max_tokens=args.max_tokens or (SPEC_MAX_TOKENS if args.spec else 12),
         repeat=args.repeat, seed=args.seed, hidden=args.hidden,
         layers_per_stage=args.layers_per_stage, timeout_s=args.timeout,
-        work_dir=args.work_dir))
+        work_dir=args.work_dir, spec=args.spec, spec_method=args.spec_method))
 
 
 def _bench_shape(text: str) -> tuple[int, int]:

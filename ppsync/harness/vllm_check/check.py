@@ -11,8 +11,11 @@ worker hooks (ppsync.harness.vllm_check.worker_hooks) through a
 other ``sitecustomize``); the hooks record which handler class every worker
 built and time its calls. The report
 (ppsync.harness.vllm_check.report) says which handler each worker built,
-whether the tokens are identical, and the time per ``generate`` and per
-``receive``.
+whether the tokens are identical, and per PP rank the time of each handler
+call. With ``spec`` (K > 0) both runs use speculative decoding (vLLM's
+``spec_method``, default ngram_gpu) on prompts that repeat a pattern, and the
+report adds vLLM's acceptance counters; on CPU the hooks then apply two
+vLLM-side work-arounds (:func:`workarounds`), each printed as a note.
 
 Both runs use Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``): that is the
 runner whose ``PPHandler`` ppsync replaces. On a machine without CUDA, vLLM's
@@ -22,30 +25,38 @@ check registers a stand-in one for its runs and runs the kernels in
 Triton's interpreter (``TRITON_INTERPRET=1``), and says so.
 
 Exit status: 0 pass; 1 fail (a worker of the second run did not build
-ppsync's handler, the tokens differ, or the ppsync run broke); 2 bad
+ppsync's handler, the tokens differ, the ppsync run broke, or with K > 0 no
+draft was accepted: the draft path was not tested); 2 bad
 environment (no vLLM or no Triton in this Python, or vLLM's own run broke).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from ppsync.compat.vllm.plugin import ENV_SWITCH
-from ppsync.compat.vllm.versions import installed_vllm_version
+from ppsync.compat.vllm.versions import VLLM_DISTRIBUTIONS, installed_vllm_version
 from ppsync.harness.vllm_check import worker_hooks
 from ppsync.harness.vllm_check.report import (
+    NGRAM_METHODS,
     RunResult,
     failures,
     format_report,
+    read_workarounds,
     read_worker_records,
+    spec_figures,
 )
 
 __all__ = ["NO_VLLM", "VllmCheckOptions", "environment_problem", "model_config", "prompt_ids",
@@ -75,6 +86,30 @@ TIMING_NOTE = ("a receive's time is what the engine waits in that call: vLLM's o
                "shown); generate is the whole engine call")
 INTERPRETER_NOTE = ("times under Triton's interpreter: vLLM's Triton kernels run interpreted in "
                     "both runs, so the generate times say nothing about a GPU")
+MASK_CAST_NOTE = (
+    "work-around of a vLLM-side problem, CPU only: vLLM's ngram_gpu finalize kernel "
+    "(vllm/v1/worker/gpu/spec_decode/ngram/speculator.py, _ngram_finalize_kernel) loads under "
+    "the mask `(k_iota < tokens_avail) & write_ok & k_in_range`, which Triton 3.9's "
+    "interpreter makes int32 (write_ok is a scalar comparison) and then refuses in tl.load "
+    "(ValueError: mask has unsupported dtype); for these runs the check's hook casts a "
+    "non-boolean load/store mask to boolean inside Triton's interpreter (vLLM's files are not "
+    "changed; on CUDA the kernel is compiled, not interpreted, and the hook is not installed)")
+ASYNC_NOTE = (
+    "work-around of a vLLM-side problem, CPU only: vllm/platforms/cpu.py turns "
+    "async_scheduling off; with the sync scheduler, Model Runner V2 + PP > 1 + speculative "
+    "decoding fails in vLLM's own prepare_inputs (assert (num_scheduled_tokens_np >= "
+    "num_logits).all(): the scheduler schedules only the placeholder drafts of a request whose "
+    "prefill is still in the pipeline) and the engine then hangs; for these runs the check's "
+    "hook turns async scheduling back on after the CPU platform's config update where vLLM's "
+    "own config had chosen it, as V2 + PP runs on CUDA (not installed on CUDA)")
+SYNC_METHOD_WARNING = (
+    "vLLM itself turns async scheduling off for method {method!r} (and refuses it when asked "
+    "explicitly), so the hook leaves it off: on CPU with PP > 1 this run is expected to fail "
+    "or hang in vLLM (bounded by --timeout); ngram_gpu runs with async scheduling")
+MIDDLE_NOTE = ("{ranks} in the middle of the pipeline: a middle rank receives hidden states "
+               "from the rank before and sends its own to the next, and gets the last rank's "
+               "sampled tokens (and drafts) through the handler as rank 0 does; it relays "
+               "EAGLE3's aux hidden states only with an EAGLE3 draft model (not this check's)")
 LOG_TAIL = 40
 
 
@@ -91,6 +126,8 @@ class VllmCheckOptions:
     layers_per_stage: int = 2
     timeout_s: float = 900.0
     work_dir: Path | None = None
+    spec: int = 0  # K draft tokens per step (0: no speculative decoding)
+    spec_method: str = "ngram_gpu"
 
 
 def environment_problem() -> str | None:
@@ -120,10 +157,49 @@ def model_config(opts: VllmCheckOptions) -> dict[str, object]:
 
 def prompt_ids(opts: VllmCheckOptions, vocab_size: int = 512) -> list[list[int]]:
     """``opts.prompts`` prompts of 4 to 15 token ids, drawn from the seed
-    (ids 3 and up: below are the config's special tokens)."""
+    (ids 3 and up: below are the config's special tokens); with speculative
+    decoding, 8 to 15 ids repeating a pattern of 2 to 4, so that n-gram
+    proposals find matches and some are accepted."""
     rng = random.Random(opts.seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(4, 16))]
-            for _ in range(opts.prompts)]
+    if opts.spec == 0:
+        return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(4, 16))]
+                for _ in range(opts.prompts)]
+    out = []
+    for _ in range(opts.prompts):
+        pattern = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(2, 5))]
+        length = rng.randrange(8, 16)
+        out.append((pattern * length)[:length])
+    return out
+
+
+def vllm_origin() -> str:
+    """Which vLLM distribution is installed and where it came from (pip's
+    ``direct_url.json``: a wheel file, a source tree, a VCS checkout; none: a
+    package index)."""
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        where = "a package index (pip records no URL for it)"
+        raw = dist.read_text("direct_url.json")
+        if raw:
+            try:
+                direct = json.loads(raw)
+            except json.JSONDecodeError:
+                direct = {}
+            url = str(direct.get("url", "?"))
+            path = url.removeprefix("file://")
+            if "dir_info" in direct:
+                editable = direct["dir_info"].get("editable")
+                where = f"the source tree {path}" + (" (editable)" if editable else "")
+            elif "vcs_info" in direct:
+                vcs = direct["vcs_info"]
+                where = f"{vcs.get('vcs', 'vcs')} {url}@{vcs.get('commit_id', '?')}"
+            else:
+                where = f"the file {path}" if url.startswith("file://") else url
+        return f"{name} {dist.version} from {where}"
+    return "not installed"
 
 
 def _on_cpu() -> bool:
@@ -150,7 +226,45 @@ def _base_env(work: Path, opts: VllmCheckOptions, standin: bool, cpu: bool) -> d
     if standin:
         env[worker_hooks.ENV_STANDIN] = "1"
         env["TRITON_INTERPRET"] = "1"
+    env.pop(worker_hooks.ENV_MASK_CAST, None)
+    env.pop(worker_hooks.ENV_ASYNC, None)
+    for name in workarounds(opts, standin=standin, cpu=cpu):
+        env[WORKAROUND_ENV[name]] = "1"
     return env
+
+
+WORKAROUND_ENV = {"mask_cast": worker_hooks.ENV_MASK_CAST,
+                  "async_scheduling": worker_hooks.ENV_ASYNC}
+WORKAROUND_NOTES = {"mask_cast": MASK_CAST_NOTE, "async_scheduling": ASYNC_NOTE}
+
+
+def workarounds(opts: VllmCheckOptions, *, standin: bool, cpu: bool) -> list[str]:
+    """The vLLM-side work-arounds the check's hooks apply in its runs: none
+    without speculative decoding or on CUDA; the mask cast where Triton's
+    interpreter runs vLLM's kernels, async scheduling on CPU."""
+    if opts.spec == 0 or not cpu:
+        return []
+    return (["mask_cast"] if standin else []) + ["async_scheduling"]
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], out: IO[str], cwd: Path,
+                timeout_s: float) -> int | None:
+    """Run ``cmd`` in a session of its own, output to ``out``; its exit status,
+    or None when it ran past ``timeout_s``. Then (or when the check is
+    interrupted) every process left in its session is killed: a vLLM run that
+    hangs (or dies) leaves its engine core and workers behind otherwise."""
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+    rc: int | None = None
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # also when the check itself is interrupted
+        with contextlib.suppress(ProcessLookupError):  # none left in the session
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return rc
 
 
 def _run(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
@@ -168,12 +282,9 @@ def _run(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
     cmd = [sys.executable, "-m", "ppsync.harness.vllm_check.engine", str(spec_file), str(out)]
     error = None
     with log.open("w") as f:
-        try:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, timeout=timeout_s, check=False,
-                                cwd=work).returncode
-        except subprocess.TimeoutExpired:
-            rc, error = None, f"still running after {timeout_s:.0f} s (killed)"
+        rc = run_bounded(cmd, env, f, work, timeout_s)
+    if rc is None:
+        error = f"still running after {timeout_s:.0f} s (killed, with every process it started)"
     if error is None and (rc != 0 or not out.exists()):
         tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
         error = f"exit status {rc}; the last lines of {log}:\n" + "\n".join(
@@ -182,7 +293,8 @@ def _run(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
     return RunResult(
         label=label, expect_ppsync=ppsync, workers=read_worker_records(records),
         tokens=tuple(tuple(tuple(t) for t in call) for call in result.get("tokens", ())),
-        generate_s=tuple(result.get("generate_s", ())), error=error, log=str(log))
+        generate_s=tuple(result.get("generate_s", ())), error=error, log=str(log),
+        spec=spec_figures(result.get("spec")), workarounds=read_workarounds(records))
 
 
 def run_check(opts: VllmCheckOptions) -> int:
@@ -204,20 +316,27 @@ def run_check(opts: VllmCheckOptions) -> int:
     spec = {"model": str(work / "model"), "dtype": "float32" if cpu else "bfloat16",
             "pp_size": opts.pp_size, "max_model_len": 128, "max_num_seqs": max(4, opts.prompts),
             "max_tokens": opts.max_tokens, "repeat": opts.repeat, "seed": opts.seed,
-            "prompts": prompts}
+            "prompts": prompts, "spec": opts.spec, "spec_method": opts.spec_method}
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps(spec))
     env = _base_env(work, opts, standin, cpu)
-    version = installed_vllm_version()
     header = [
-        f"ppsync vllm-check: vLLM {version}, Model Runner V2, pipeline_parallel_size="
-        f"{opts.pp_size}, {'on CPU (no CUDA device)' if cpu else 'on CUDA'}",
+        f"ppsync vllm-check: vLLM {installed_vllm_version()}, Model Runner V2, "
+        f"pipeline_parallel_size={opts.pp_size}, "
+        f"{'on CPU (no CUDA device)' if cpu else 'on CUDA'}",
+        f"  vLLM: {vllm_origin()}",
         f"  model: dummy LlamaForCausalLM (hidden {config['hidden_size']}, "
         f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}, "
         f"{spec['dtype']}), weights refilled per tensor from seed {opts.seed}",
         f"  prompts: {len(prompts)} ({min(map(len, prompts))}-{max(map(len, prompts))} "
-        f"token ids), {opts.max_tokens} new tokens each, greedy (temperature 0), "
-        f"{opts.repeat} generate calls per run",
+        f"token ids{', repeating patterns' if opts.spec else ''}), {opts.max_tokens} new "
+        f"tokens each, greedy (temperature 0), {opts.repeat} generate calls per run",
+    ]
+    if opts.spec:
+        lookup = " (n-gram lookup of 2-3 tokens)" if opts.spec_method in NGRAM_METHODS else ""
+        header.append(f"  speculative decoding: method {opts.spec_method}, K={opts.spec} draft "
+                      f"tokens per step{lookup}, in both runs")
+    header += [
         f"  runs: 1) vLLM's own PPHandler ({ENV_SWITCH} unset); 2) ppsync's plugin "
         f"({ENV_SWITCH}=1)",
         "  environment: VLLM_USE_V2_MODEL_RUNNER=1"
@@ -226,8 +345,16 @@ def run_check(opts: VllmCheckOptions) -> int:
                                               "TRITON_INTERPRET") if k in env),
         f"  work directory: {work}",
     ]
+    if opts.pp_size > 2:
+        ranks = ("PP rank 1 is" if opts.pp_size == 3 else
+                 f"PP ranks 1-{opts.pp_size - 2} are")
+        header.append(f"  note: {MIDDLE_NOTE.format(ranks=ranks)}")
     if standin:
         header.append(f"  note: {STANDIN_NOTE}")
+    for name in workarounds(opts, standin=standin, cpu=cpu):
+        header.append(f"  note: {WORKAROUND_NOTES[name]}")
+    if opts.spec and cpu and opts.spec_method == "ngram":
+        header.append("  warning: " + SYNC_METHOD_WARNING.format(method=opts.spec_method))
     plugins = env.get("VLLM_PLUGINS")
     if plugins is not None and "ppsync" not in [p.strip() for p in plugins.split(",")]:
         header.append(f"  warning: VLLM_PLUGINS={plugins!r} does not name ppsync: vLLM will not "
@@ -240,7 +367,7 @@ def run_check(opts: VllmCheckOptions) -> int:
     base = _run("vLLM's PPHandler", False, work, "run-1-vllm", env, spec_file, opts.timeout_s)
     print("  run 2 of 2 (ppsync's plugin) ...", flush=True)
     ours = _run("ppsync's plugin", True, work, "run-2-ppsync", env, spec_file, opts.timeout_s)
-    print(format_report(base, ours, opts.pp_size), flush=True)
+    print(format_report(base, ours, opts.pp_size, spec=opts.spec), flush=True)
     if base.error is not None:
         return 2  # vLLM itself does not run here
-    return 1 if failures(base, ours, opts.pp_size) else 0
+    return 1 if failures(base, ours, opts.pp_size, spec=opts.spec) else 0

@@ -8,7 +8,9 @@ each ``generate`` and of each handler ``receive`` / ``broadcast`` /
 ``get_prev_sampled_outputs`` call. The
 check passes when the run with vLLM's own handler built vLLM's in every
 worker, the run with ppsync's plugin built ppsync's in every worker, both
-ran to the end, and their tokens are identical.
+ran to the end, and their tokens are identical; with speculative decoding
+(K > 0) also that vLLM accepted draft tokens in both runs (else the draft
+path was not tested).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RunResult", "WorkerRecord", "failures", "format_report", "read_worker_records",
-           "token_differences"]
+__all__ = ["NGRAM_METHODS", "RunResult", "SpecFigures", "WorkerRecord", "failures", "format_report",
+           "read_workarounds", "read_worker_records", "spec_figures", "token_differences"]
+
+NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's model-free proposers (prompt lookup)
+TIMED = ("receive", "broadcast", "broadcast_drafts", "get_prev_sampled_outputs")
+MULTI_SHOWN = 12  # steps listed where a row had num_sampled > 1
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,45 @@ class WorkerRecord:
     broadcast_s: tuple[float, ...] = ()  # each broadcast call, seconds
     receive_all_rows: int = 0  # receive calls that returned True (every row needs a sample)
     receive_rows: tuple[int, ...] = ()  # each receive call's batch rows (num_reqs)
+    drafts_s: tuple[float, ...] = ()  # each broadcast_drafts call, seconds
+    steps: int = 0  # steps with sampled outputs: broadcast (last rank) or
+    # get_prev_sampled_outputs that returned them (the others)
+    multi_steps: tuple[int, ...] = ()  # which of those (0-based) had a row with num_sampled > 1
+
+
+@dataclass(frozen=True)
+class SpecFigures:
+    """vLLM's speculative-decoding counters of one run (its metrics)."""
+
+    drafts: int | None = None
+    draft_tokens: int | None = None
+    accepted: int | None = None
+    per_position: tuple[int, ...] = ()
+
+    def text(self) -> str:
+        def n(v: int | None) -> str:
+            return "?" if v is None else str(v)
+
+        rate = (f" ({100 * self.accepted / self.draft_tokens:.1f}% of draft tokens)"
+                if self.accepted is not None and self.draft_tokens else "")
+        pos = (f"; accepted per position: {', '.join(map(str, self.per_position))}"
+               if self.per_position else "")
+        return (f"{n(self.drafts)} drafts, {n(self.draft_tokens)} draft tokens, "
+                f"{n(self.accepted)} accepted{rate}{pos}")
+
+
+def spec_figures(raw: object) -> SpecFigures | None:
+    """SpecFigures from the engine child's ``spec`` entry (None: none there)."""
+    if not isinstance(raw, dict):
+        return None
+
+    def count(key: str) -> int | None:
+        v = raw.get(key)
+        return v if isinstance(v, int) else None
+
+    per_pos = raw.get("accepted_per_position", ())
+    return SpecFigures(count("drafts"), count("draft_tokens"), count("accepted"),
+                       tuple(int(v) for v in per_pos) if isinstance(per_pos, list) else ())
 
 
 @dataclass(frozen=True)
@@ -52,6 +97,23 @@ class RunResult:
     error: str | None = None  # why the run did not finish
     log: str | None = None  # where vLLM's own output went
     notes: tuple[str, ...] = field(default=())
+    spec: SpecFigures | None = None  # vLLM's acceptance counters (speculative decoding)
+    workarounds: dict[str, int] = field(default_factory=dict)  # name -> processes it acted in
+
+
+def read_workarounds(record_dir: Path) -> dict[str, int]:
+    """How many processes each work-around hook acted in (its records)."""
+    out: dict[str, int] = {}
+    for path in sorted(record_dir.glob("workaround-*.jsonl")):
+        names = set()
+        for line in path.read_text().splitlines():
+            try:
+                names.add(str(json.loads(line)["event"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+        for name in names:
+            out[name] = out.get(name, 0) + 1
+    return out
 
 
 def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
@@ -60,10 +122,10 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
     workers = []
     for path in sorted(record_dir.glob("worker-*.jsonl")):
         head: dict[str, object] | None = None
-        calls: dict[str, list[float]] = {"receive": [], "broadcast": [],
-                                         "get_prev_sampled_outputs": []}
-        all_rows = 0
+        calls: dict[str, list[float]] = {name: [] for name in TIMED}
+        all_rows = steps = 0
         rows: list[int] = []
+        multi: list[int] = []
         for line in path.read_text().splitlines():
             try:
                 event = json.loads(line)
@@ -76,6 +138,10 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
                 all_rows += event.get("returned") is True
                 if event["event"] == "receive" and isinstance(event.get("rows"), int):
                     rows.append(event["rows"])
+                if isinstance(event.get("multi"), int):  # the call had sampled outputs
+                    if event["multi"] > 0:
+                        multi.append(steps)
+                    steps += 1
         if head is None:
             continue
         handler = head.get("handler")
@@ -85,7 +151,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             handler=None if handler is None else str(handler), ppsync=bool(head.get("ppsync")),
             receive_s=tuple(calls["receive"]), broadcast_s=tuple(calls["broadcast"]),
             prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows,
-            receive_rows=tuple(rows)))
+            receive_rows=tuple(rows), drafts_s=tuple(calls["broadcast_drafts"]),
+            steps=steps, multi_steps=tuple(multi)))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
 
 
@@ -123,8 +190,23 @@ def _handler_failures(run: RunResult, pp_size: int) -> list[str]:
     return out
 
 
-def failures(base: RunResult, ours: RunResult, pp_size: int) -> list[str]:
-    """Why the check fails; empty when it passes."""
+def spec_failures(run: RunResult) -> list[str]:
+    """With speculative decoding: why ``run`` did not test the draft path."""
+    if run.error is not None:
+        return []
+    if run.spec is None or run.spec.accepted is None:
+        return [f"{run.label}: vLLM reported no speculative-decoding counters, so whether any "
+                "draft was accepted is unknown: the draft path was not tested"]
+    if run.spec.accepted == 0:
+        return [f"{run.label}: no draft token was accepted ({run.spec.text()}): the draft path "
+                "was not tested (prompts whose continuations repeat, or more --max-tokens, "
+                "give the proposer matches)"]
+    return [f"{run.label}: vLLM accepted drafts but PP rank {w.pp_rank}'s handler saw no step "
+            "with a row of num_sampled > 1" for w in run.workers if w.steps and not w.multi_steps]
+
+
+def failures(base: RunResult, ours: RunResult, pp_size: int, spec: int = 0) -> list[str]:
+    """Why the check fails; empty when it passes (``spec``: K draft tokens)."""
     out = []
     for run in (base, ours):
         if run.error is not None:
@@ -134,6 +216,9 @@ def failures(base: RunResult, ours: RunResult, pp_size: int) -> list[str]:
     if base.error is None and ours.error is None:
         diffs = token_differences(base, ours)
         out += [f"tokens differ: {d}" for d in diffs]
+    if spec:
+        for run in (base, ours):
+            out += spec_failures(run)
     return out
 
 
@@ -150,10 +235,34 @@ def _counts(values: Sequence[int]) -> str:
     return ", ".join(f"{v} x{values.count(v)}" for v in sorted(set(values), reverse=True))
 
 
+def _rank_lines(w: WorkerRecord, spec: int) -> list[str]:
+    last = w.pp_rank == w.pp_size - 1
+    role = "last" if last else ("first" if w.pp_rank == 0 else "middle")
+    out = [f"    PP rank {w.pp_rank}/{w.pp_size} ({role}, pid {w.pid}):"]
+    if last:
+        out.append(f"      broadcast: {_ms(w.broadcast_s)}")
+        if spec:
+            out.append(f"      broadcast_drafts: {_ms(w.drafts_s)}")
+    else:
+        rows = f"; rows per call: {_counts(list(w.receive_rows))}" if w.receive_rows else ""
+        out.append(f"      receive: {_ms(w.receive_s)}; returned True (every row needs a "
+                   f"sample) in {w.receive_all_rows}{rows}")
+        table = " (scatters drafts into the draft table)" if spec else ""
+        out.append(f"      get_prev_sampled_outputs{table}: {_ms(w.prev_s)}")
+    if spec:
+        shown = ", ".join(map(str, w.multi_steps[:MULTI_SHOWN]))
+        more = ", ..." if len(w.multi_steps) > MULTI_SHOWN else ""
+        where = "broadcast" if last else "received"
+        out.append(f"      steps whose {where} outputs had a row with num_sampled > 1: "
+                   f"{len(w.multi_steps)} of {w.steps}" + (f" ({shown}{more})" if shown else ""))
+    return out
+
+
 def format_report(base: RunResult, ours: RunResult, pp_size: int,
-                  header: Sequence[str] = ()) -> str:
+                  header: Sequence[str] = (), spec: int = 0) -> str:
     """The check's printed report: header lines, the handler each worker
-    built, the token comparison, the timings and the verdict."""
+    built, the token comparison, vLLM's acceptance counters (``spec``: K > 0),
+    the timings per rank and the verdict."""
     lines = list(header)
     lines.append("")
     lines.append("handler built in each worker:")
@@ -180,31 +289,36 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
     else:
         lines.append("tokens: not compared (a run did not finish)")
     lines.append("")
-    lines.append("timing:")
+    if spec:
+        lines.append(f"speculative decoding (K={spec}), vLLM's counters over both generate "
+                     "calls:")
+        for run in (base, ours):
+            lines.append(f"  {run.label}: "
+                         f"{run.spec.text() if run.spec else 'none reported'}")
+        lines.append("")
+    lines.append("timing, per PP rank:")
     for run in (base, ours):
-        receive = [s for w in run.workers for s in w.receive_s]
-        broadcast = [s for w in run.workers for s in w.broadcast_s]
         gen = ", ".join(f"{s:.2f} s" for s in run.generate_s) or "-"
-        lines.append(f"  {run.label}:")
-        lines.append(f"    generate: {gen}")
-        all_rows = sum(w.receive_all_rows for w in run.workers)
-        rows = [r for w in run.workers for r in w.receive_rows]
-        per_step = f"; rows per call: {_counts(rows)}" if rows else ""
-        lines.append(f"    PPHandler.receive (non-last ranks): {_ms(receive)}; returned True "
-                     f"(every row needs a sample) in {all_rows}{per_step}")
-        lines.append(f"    PPHandler.broadcast (last rank): {_ms(broadcast)}")
-        prev = [s for w in run.workers if w.pp_rank < w.pp_size - 1 for s in w.prev_s]
-        lines.append(f"    PPHandler.get_prev_sampled_outputs (non-last ranks): {_ms(prev)}")
+        lines.append(f"  {run.label}: generate {gen}")
+        for w in run.workers:
+            lines += _rank_lines(w, spec)
     for run in (base, ours):
         if run.log is not None:
             lines.append(f"  vLLM's output of {run.label}: {run.log}")
         lines += [f"  {n}" for n in run.notes]
+    applied = [f"{run.label}: {name} in {n} process{'es' if n > 1 else ''}"
+               for run in (base, ours) for name, n in sorted(run.workarounds.items())]
+    if applied:
+        lines.append("  work-arounds that acted: " + "; ".join(applied))
     lines.append("")
-    why = failures(base, ours, pp_size)
+    why = failures(base, ours, pp_size, spec)
     if why:
         lines.append("FAIL")
         lines += [f"  {w}" for w in why]
     else:
+        accepted = (f", with speculative decoding (K={spec}; drafts accepted in both runs: "
+                    f"{base.spec.accepted if base.spec else '?'} and "
+                    f"{ours.spec.accepted if ours.spec else '?'} tokens)" if spec else "")
         lines.append(f"PASS: ppsync's handler was built in all {pp_size} workers and its tokens "
-                     "are identical to vLLM's own handler's")
+                     f"are identical to vLLM's own handler's{accepted}")
     return "\n".join(lines)

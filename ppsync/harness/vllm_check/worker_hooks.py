@@ -46,10 +46,14 @@ from typing import Any
 ENV_STANDIN = "PPSYNC_VLLM_CHECK_STANDIN"
 ENV_RECORD = "PPSYNC_VLLM_CHECK_RECORD"
 ENV_SEED = "PPSYNC_VLLM_CHECK_SEED"
+ENV_MASK_CAST = "PPSYNC_VLLM_CHECK_MASK_CAST"
+ENV_ASYNC = "PPSYNC_VLLM_CHECK_ASYNC_SCHEDULING"
+TRITON_INTERPRETER = "triton.runtime.interpreter"
+CPU_PLATFORM = "vllm.platforms.cpu"
 GPU_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
-TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast")
+TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
 
 
 class _StandInDriver:
@@ -139,10 +143,31 @@ def _timed(name: str, call: Callable[..., Any], out: Any) -> Callable[..., Any]:
         rows = getattr(args[0], "num_reqs", None) if args else None  # receive's input_batch
         if isinstance(rows, int):
             returned += f', "rows": {rows}'
+        multi = rows_sampling_more(name, args, kwargs, result)  # after the timed call
+        if multi is not None:
+            returned += f', "multi": {multi}'
         out.write(f'{{"event": "{name}", "s": {seconds!r}{returned}}}\n')
         return result
 
     return timed
+
+
+def rows_sampling_more(name: str, args: Sequence[Any], kwargs: dict[str, Any],
+                       result: Any) -> int | None:
+    """The rows with ``num_sampled > 1`` in a step's sampled outputs: the
+    last rank's ``broadcast(sampled, num_sampled, ...)`` or what a receiver's
+    ``get_prev_sampled_outputs`` returned; None for another call or one
+    without outputs. Read after the call is timed (on a GPU, a copy back to
+    the host per step)."""
+    if name == "broadcast":
+        num_sampled = kwargs.get("num_sampled", args[1] if len(args) > 1 else None)
+    elif name == "get_prev_sampled_outputs" and isinstance(result, dict):
+        num_sampled = result.get("num_sampled")
+    else:
+        return None
+    if num_sampled is None or not hasattr(num_sampled, "gt"):
+        return None
+    return int(num_sampled.gt(1).sum().item())
 
 
 def _reseeder(seed: int) -> Callable[[ModuleType], None]:
@@ -180,16 +205,92 @@ def reseed_weights(model: Any, seed: int) -> None:
             param.copy_(values.to(param.dtype))
 
 
+class _Workarounds:
+    """Writes, once per work-around and process, where it acted."""
+
+    def __init__(self, record_dir: Path | None) -> None:
+        self.record_dir = record_dir
+        self.seen: set[str] = set()
+
+    def acted(self, name: str, detail: str) -> None:
+        if name in self.seen:
+            return
+        self.seen.add(name)
+        if self.record_dir is None:
+            return
+        path = self.record_dir / f"workaround-{os.getpid()}.jsonl"
+        with path.open("a") as f:
+            f.write(json.dumps({"event": name, "pid": os.getpid(), "detail": detail}) + "\n")
+
+
+def _bool_mask(mask: Any, tl_int1: Any, handle_cls: Any) -> Any:
+    """``mask`` unchanged when its data is boolean; else a boolean copy (nonzero: true)."""
+    data = mask.data
+    if data.dtype == bool:
+        return mask
+    return handle_cls(data != 0, tl_int1)
+
+
+def patch_interpreter_masks(module: ModuleType, acted: Callable[[str, str], None]) -> None:
+    """Make the interpreter's masked load and store accept a non-boolean mask
+    by casting it to boolean (``module``: triton.runtime.interpreter)."""
+    builder, handle_cls, tl = module.InterpreterBuilder, module.TensorHandle, module.tl
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def masked_load(self: Any, ptrs: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+        cast = _bool_mask(mask, tl.int1, handle_cls)
+        if cast is not mask:
+            acted("mask_cast", f"load mask of dtype {mask.data.dtype}")
+        return load(self, ptrs, cast, *args, **kwargs)
+
+    def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any,
+                     **kwargs: Any) -> Any:
+        cast = _bool_mask(mask, tl.int1, handle_cls)
+        if cast is not mask:
+            acted("mask_cast", f"store mask of dtype {mask.data.dtype}")
+        return store(self, ptrs, value, cast, *args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+
+def _async_scheduler(acted: Callable[[str, str], None]) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        platform = module.CpuPlatform
+        update = platform.check_and_update_config.__func__
+
+        def update_then_async(cls: Any, vllm_config: Any) -> None:
+            sched = vllm_config.scheduler_config
+            chosen = sched.async_scheduling  # vLLM's own choice (False: e.g. plain ngram)
+            update(cls, vllm_config)
+            if chosen and not sched.async_scheduling:
+                sched.async_scheduling = True
+                acted("async_scheduling", "async_scheduling turned back on after "
+                      "CpuPlatform.check_and_update_config")
+
+        platform.check_and_update_config = classmethod(update_then_async)
+
+    return patch
+
+
 def install_from_env() -> None:
     """Install what the check's variables ask for; nothing when none is set."""
     if os.environ.get(ENV_STANDIN) == "1":
         register_triton_standin()
     patches: dict[str, Callable[[ModuleType], None]] = {}
     record = os.environ.get(ENV_RECORD)
+    acted = _Workarounds(Path(record) if record else None).acted
     if record:
         patches[GPU_MODEL_RUNNER] = _recorder(Path(record))
+    if os.environ.get(ENV_MASK_CAST) == "1":
+        patches[TRITON_INTERPRETER] = lambda module: patch_interpreter_masks(module, acted)
+    if os.environ.get(ENV_ASYNC) == "1":
+        patches[CPU_PLATFORM] = _async_scheduler(acted)
     seed = os.environ.get(ENV_SEED)
     if seed:
         patches[DUMMY_LOADER] = _reseeder(int(seed))
+    # a module imported already is patched now (the stand-in's import of
+    # Triton imports Triton's interpreter), the others when they are imported
+    for name in [n for n in patches if n in sys.modules]:
+        patches.pop(name)(sys.modules[name])
     if patches:
         sys.meta_path.insert(0, _AfterImport(patches))
