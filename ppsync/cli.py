@@ -22,10 +22,10 @@ from typing import get_args
 import torch
 import torch.distributed as dist
 
+from ppsync.core.codec import check_frames
 from ppsync.core.completion import EMULATED, StreamOrdered
 from ppsync.core.device_kernels import resolve_device_kernels
 from ppsync.core.dumps import dump_all, install_dump_triggers
-from ppsync.core.frame.codec import check_frames
 from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.debug.cli import add_debug_commands, point_at_dumps
 from ppsync.errors import ConfigError, PPSyncError

@@ -47,7 +47,7 @@ from ppsync.bench.common import (
 )
 from ppsync.bench.stats import overdue_within
 from ppsync.core.frame import FrameView
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import PPSyncError
@@ -87,7 +87,7 @@ class _Lockstep:
         self.ctx = ctx
         self.clock = clock
         self.config = o.sync_config(ring_depth=1)
-        codec = FrameCodec(self.config)
+        codec = HostFrames(self.config)
         self.frame = torch.zeros(codec.words(o.rows), dtype=torch.int64)  # [words]
         if ctx.is_last:  # a real frame, though a raw broadcast never looks
             s = ctx.step

@@ -23,12 +23,12 @@ from vllm_standin import write_dist_info
 
 from ppsync.compat.vllm import PPHandler
 from ppsync.compat.vllm.checks import rebuilt_like
+from ppsync.compat.vllm.handler import handler_class
 from ppsync.compat.vllm.versions import (
     EAGLE3_UTILS,
     ENV_INTERFACE,
     INTERFACES,
     XPU_MICROBATCH,
-    handler_class,
     installed_vllm_version,
     interface_for_version,
     interfaces_from_env,

@@ -27,7 +27,7 @@ from triton.runtime.driver import driver
 
 from ppsync.core.device_kernels import Outputs
 from ppsync.core.device_kernels.triton_set import TritonKernels
-from ppsync.core.frame.device_frames import DeviceFrameCodec
+from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.schemas.config import SyncConfig
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -132,7 +132,7 @@ def main(mode: str) -> None:
     sets = []
     for k in (0, 3):
         config = SyncConfig.build(pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=k)
-        ks = TritonKernels(DeviceFrameCodec(config, torch.device("cpu")))  # CPU: no warm-up
+        ks = TritonKernels(DeviceFrames(config, torch.device("cpu")))  # CPU: no warm-up
         ks.pack_kernel, ks.release_kernel = NoLaunch(ks.pack_kernel), NoLaunch(ks.release_kernel)
         sets.append(ks)
     if mode == "compile":

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from ppsync.core.frame.device_frames import DeviceFrameCodec
+from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 
@@ -100,7 +100,7 @@ def resolve_device_kernels(config: SyncConfig, device: torch.device
     return "triton"
 
 
-def device_kernels_for(config: SyncConfig, frames: DeviceFrameCodec) -> DeviceKernels:
+def device_kernels_for(config: SyncConfig, frames: DeviceFrames) -> DeviceKernels:
     """The device kernels ``config`` names for ``frames`` (built once)."""
     if resolve_device_kernels(config, frames.device) == "triton":
         from ppsync.core.device_kernels.triton_set import TritonKernels

@@ -21,7 +21,7 @@ from ppsync.core.frame.device_frames import (
     V_FRAME,
     V_NUM_REJECTED,
     V_NUM_SAMPLED,
-    DeviceFrameCodec,
+    DeviceFrames,
 )
 from ppsync.core.frame.layout import (
     FLAG_BAD_VALUES,
@@ -39,7 +39,7 @@ class TorchKernels:
 
     name: Literal["torch", "triton"] = "torch"
 
-    def __init__(self, frames: DeviceFrameCodec) -> None:
+    def __init__(self, frames: DeviceFrames) -> None:
         lay = frames.layout
         dev = frames.device
         self.layout = lay
