@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from ppsync.core.device_kernels import Outputs
+from ppsync.core.device_kernels.base import Outputs
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,
