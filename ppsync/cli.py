@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,33 @@ from ppsync.errors import ConfigError, PPSyncError
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
-from ppsync.schemas.config import DeviceKernelsName, HostKernelsName, SyncConfig
+from ppsync.schemas.config import (
+    DEFAULT_TIMEOUT_S,
+    DeviceKernelsName,
+    HostKernelsName,
+    SyncConfig,
+)
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.report import RunReport
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says one itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.required
+                or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {'none' if action.default is None else '%(default)s'})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose subcommands' parsers show their defaults too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -61,7 +85,7 @@ def _seconds(text: str) -> float:
 def _workload_flags(la: argparse.ArgumentParser) -> None:
     """The flags ``launch`` and ``run`` share (one place for new ones)."""
     la.add_argument("--steps", type=_positive, required=True, help="engine steps")
-    la.add_argument("--spec", type=int, default=0, help="speculative steps K (default 0)")
+    la.add_argument("--spec", type=int, default=0, help="speculative steps K")
     la.add_argument("--max-num-reqs", type=_positive, default=64, help="request slots")
     la.add_argument("--ring-depth", type=_positive, default=None, help="D (default pp_size)")
     la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
@@ -71,16 +95,18 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
                     "checks deferred one step; runs on CPU tensors here)")
     la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
                     help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
-                    "CUDA/XPU where it imports, else torch; default auto)")
+                    "CUDA/XPU where it imports, else torch)")
     la.add_argument("--host-kernels", choices=get_args(HostKernelsName), default="auto",
                     help="the host codec's kernels: numba, numpy or auto (numba where it "
-                    "loads, else numpy; default auto)")
-    la.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+                    "loads, else numpy)")
+    la.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="bound on every wait (s)")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
-                    help="carry tokens through the anyio services (default backend asyncio)")
+                    help="carry tokens through the anyio services (backend asyncio when "
+                    "none is named)")
     la.add_argument("--arrivals", type=_positive, default=4,
-                    help="most requests arriving in one step (load; default 4)")
+                    help="most requests arriving in one step (load)")
     la.add_argument("--jitter-us", type=float, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
@@ -88,21 +114,19 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
                     help="token groups whose works behave as this backend's (the CPU twin of "
                          "stream-ordered backends; needs --codec device and --wire fixed)")
     la.add_argument("--join-timeout", type=_seconds, default=120.0, metavar="S",
-                    help="bound on joining the world: ranks may start seconds apart "
-                    "(default 120)")
+                    help="bound on joining the world: ranks may start seconds apart")
     la.add_argument("--progress-every", type=_seconds, default=5.0, metavar="S",
-                    help="rank 0 prints steps done, steps/s and ETA to stderr every S "
-                    "seconds (default 5)")
+                    help="rank 0 prints steps done, steps/s and ETA to stderr every S seconds")
     la.add_argument("--quiet", action="store_true", help="no progress line")
     la.add_argument("--flight-events", type=_non_negative, default=4096, metavar="N",
-                    help="events each rank's flight recorder keeps (default 4096; 0 = off)")
+                    help="events each rank's flight recorder keeps (0 = off)")
     la.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
                     help="ranks dump their flight records here on an error, on SIGUSR1 and "
                     f"at exit (default ${DUMP_DIR_ENV}; unset: no dumps)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ppsync", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="ppsync", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = p.add_subparsers(dest="command", required=True)
     la = sub.add_parser("launch", help="run the workload over P local gloo ranks")
     la.add_argument("--pp-size", type=_positive, required=True, help="ranks P per PP group")
@@ -114,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--device", choices=["cpu", "cuda", "xpu"], default="cpu",
                     help="where each rank's tensors live: cuda / xpu use the accelerator at "
                     "LOCAL_RANK (modulo the visible count) and token groups on nccl / xccl; "
-                    "needs --codec device (default cpu)")
+                    "needs --codec device")
     ru.add_argument("--pp-size", type=_positive, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
@@ -125,23 +149,24 @@ def _parser() -> argparse.ArgumentParser:
     _workload_flags(ru)
     be = sub.add_parser("bench", help="time the token path against raw broadcasts and "
                         "today's scheme on P local gloo ranks (lockstep and pipelined)")
-    be.add_argument("--pp-size", type=_positive, default=2, help="ranks P (default 2)")
+    be.add_argument("--pp-size", type=_positive, default=2, help="ranks P")
     be.add_argument("--rows", type=_positive, default=256,
-                    help="decode rows per step (default 256)")
-    be.add_argument("--spec", type=int, default=0, help="speculative steps K (default 0)")
+                    help="decode rows per step")
+    be.add_argument("--spec", type=int, default=0, help="speculative steps K")
     be.add_argument("--iters", type=_positive, default=None,
                     help="lockstep iterations (default 2000; 200 with --hidden)")
     be.add_argument("--pipelined-iters", type=_positive, default=None,
                     help="measured steps per pipelined scheme (default iters / 2)")
     be.add_argument("--compute-us", type=int, default=400,
-                    help="simulated compute per pipelined step, µs (default 400)")
-    be.add_argument("--warmup", type=int, default=100, help="warm-up iterations (default 100)")
+                    help="simulated compute per pipelined step, µs")
+    be.add_argument("--warmup", type=int, default=100, help="warm-up iterations")
     be.add_argument("--hidden", type=_bench_shape, default=None, metavar="ROWSxHIDDEN",
                     help="concurrent [ROWS, HIDDEN] float32 send/recv between stages on the "
                     "world group; token traffic runs on the dedicated group and on the world group")
     be.add_argument("--max-num-reqs", type=_positive, default=None,
                     help="request slots, the fixed frame's rows (default: rows)")
-    be.add_argument("--timeout", type=float, default=30.0, help="bound on every wait (s)")
+    be.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="bound on every wait (s)")
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
     vc = sub.add_parser("vllm-check", help="run the installed vLLM twice at "
@@ -149,20 +174,20 @@ def _parser() -> argparse.ArgumentParser:
                         "PPHandler and with ppsync's plugin: the handler each worker built, "
                         "whether the tokens are identical, the time per generate and receive "
                         "(0 pass, 1 fail, 2 no vLLM here: `make vllm-check`)")
-    vc.add_argument("--pp-size", type=_at_least(2), default=2, help="pipeline stages (default 2)")
-    vc.add_argument("--prompts", type=_positive, default=4, help="prompts (default 4)")
+    vc.add_argument("--pp-size", type=_at_least(2), default=2, help="pipeline stages")
+    vc.add_argument("--prompts", type=_positive, default=4, help="prompts")
     vc.add_argument("--max-tokens", type=_positive, default=12,
-                    help="new tokens per prompt (default 12)")
+                    help="new tokens per prompt")
     vc.add_argument("--repeat", type=_positive, default=2,
-                    help="generate calls per run, each on every prompt (default 2)")
+                    help="generate calls per run, each on every prompt")
     vc.add_argument("--seed", type=_non_negative, default=0,
-                    help="seed of the prompts and of the dummy weights (default 0)")
+                    help="seed of the prompts and of the dummy weights")
     vc.add_argument("--hidden", type=_at_least(64), default=128,
-                    help="the model's hidden size, a multiple of 32 (default 128)")
+                    help="the model's hidden size, a multiple of 32")
     vc.add_argument("--layers-per-stage", type=_positive, default=2,
-                    help="decoder layers per pipeline stage (default 2)")
+                    help="decoder layers per pipeline stage")
     vc.add_argument("--timeout", type=_seconds, default=900.0, metavar="S",
-                    help="bound on each vLLM run (default 900 s)")
+                    help="bound on each vLLM run (s)")
     vc.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                     help="where the model config, vLLM's logs and the records go "
                     "(default: a new temporary directory, kept)")

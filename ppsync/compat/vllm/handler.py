@@ -68,7 +68,7 @@ from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import CallNames, PreparedStep
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import ConfigError, ProtocolError
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
 
 __all__ = ["PPHandler", "SampledOutputs", "handler_class"]
 
@@ -141,7 +141,7 @@ class PPHandler:
         *,
         group: dist.ProcessGroup | None = None,
         ring_depth: int | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
