@@ -5,11 +5,11 @@ replaced by one that names device 0 and CUDA sm_90, and every launch goes
 through the kernel's own ``run`` (its binder, specialization key and cache)
 with ``warmup=True``, which compiles on a cache miss and never launches.
 
-``python tests/core/triton_variants.py count``: the distinct keys per flag
+``python tests/core/device_kernels/triton_variants.py count``: the distinct keys per flag
 combination (nothing compiled). ``... compile``: the set's warm-up compiles
 each combination to a cubin (the seconds each took), then every launch must
 hit those variants. Run with TRITON_INTERPRET=0 (used by
-tests/core/test_triton_compiles.py; the figures in docs/measured.md).
+tests/core/device_kernels/test_triton_compiles.py; the figures in docs/measured.md).
 """
 
 from __future__ import annotations
