@@ -171,3 +171,12 @@ def test_every_module_is_under_400_lines() -> None:
     long = [f"{p.relative_to(root)}: {n}" for p in root.rglob("*.py")
             if (n := len(p.read_text().splitlines())) >= 400]
     assert long == []
+
+
+def test_the_vllm_adapter_never_asks_where_frames_live() -> None:
+    """The adapter calls the codec (step_drafts, check_draft_table,
+    gather_drafts); a branch on ``on_device`` there would be a second choice."""
+    root = Path(ppsync.__file__).parent / "compat"
+    asking = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+              for i, line in enumerate(p.read_text().splitlines(), 1) if "on_device" in line]
+    assert asking == []
