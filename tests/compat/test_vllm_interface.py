@@ -335,3 +335,9 @@ def k0_rank(env: RankEnv) -> None:
 
 def test_k0_rules_of_each_interface() -> None:
     spawn_ranks(k0_rank, 2, timeout_s=45.0)
+
+
+def test_every_interface_has_the_class_that_serves_it() -> None:
+    """Each class registers the interface it serves (the base imports no
+    subclass); the table of versions names only interfaces."""
+    assert {i: handler_class(i).interface for i in INTERFACES} == {i: i for i in INTERFACES}

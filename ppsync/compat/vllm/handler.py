@@ -4,8 +4,9 @@ shares, on top of :class:`ppsync.core.token_path.TokenPath`.
 Only the interface carries over from vLLM. Each of vLLM's handler interfaces
 is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_23, v0_25,
 v0_30, v0_32, v0_33, v0_34_cpu), stating its own signatures, widths, drafts
-and need rule (ppsync.compat.vllm.need_rules); ppsync.compat.vllm.versions
-maps vLLM releases to them. ``PPHandler(..., interface=...)`` builds the
+and need rule (ppsync.compat.vllm.need_rules), and registers the interface
+it serves; ppsync.compat.vllm.versions maps vLLM releases to interfaces.
+``PPHandler(..., interface=...)`` builds the
 interface's class (None: the installed vLLM's); a call in another
 interface's shape raises :class:`ProtocolError` naming both. Per engine
 step, every rank calls, in this order:
