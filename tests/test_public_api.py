@@ -68,3 +68,115 @@ def test_schemas_and_errors_do_not_import_torch() -> None:
     files = [root / "errors.py", *(root / "schemas").rglob("*.py")]
     offenders = [str(f) for f in files if any(m.split(".")[0] == "torch" for m in _imports(f))]
     assert offenders == []
+
+
+def _module_of(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of ppsync -> the ppsync modules it imports, anywhere in
+    it (inside a function too: an import moved there still ties the two).
+    ``from pkg import name`` ties to ``pkg.name`` where that is a module."""
+    root = Path(ppsync.__file__).parent
+    modules = {_module_of(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                subs = {f"{node.module}.{a.name}" for a in node.names}
+                found = subs & modules.keys()
+                out.update(found or {node.module})
+                if found != subs:
+                    out.add(node.module)
+        out.discard(mod)
+        graph[mod] = out
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert _cycles(_module_graph()) == []
+
+
+def test_cycle_finder_sees_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# inside core: the frame format knows no codec and no kernel set; the kernel
+# sets know no codec; the codec sits above them all, and the token path above it.
+CORE_BELOW_CODEC = ("batch", "completion", "frame", "host_kernels", "device_kernels",
+                    "checks", "platform", "steps", "released")
+CORE_BELOW_KERNELS = ("frame",)
+
+
+def test_core_packages_import_only_downward() -> None:
+    bad = []
+    for mod, imports in _module_graph().items():
+        parts = mod.split(".")
+        if parts[:2] != ["ppsync", "core"] or len(parts) < 3:
+            continue
+        for other in imports:
+            o = other.split(".")
+            if o[:2] != ["ppsync", "core"] or len(o) < 3:
+                continue
+            if parts[2] in CORE_BELOW_CODEC and o[2] == "codec":
+                bad.append(f"{mod} imports {other}")
+            if parts[2] in CORE_BELOW_KERNELS and o[2] in ("host_kernels", "device_kernels"):
+                bad.append(f"{mod} imports {other}")
+    assert bad == []
+
+
+def test_every_module_is_under_400_lines() -> None:
+    root = Path(ppsync.__file__).parent
+    long = [f"{p.relative_to(root)}: {n}" for p in root.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) >= 400]
+    assert long == []
+
+
+def test_the_vllm_adapter_never_asks_where_frames_live() -> None:
+    """The adapter calls the codec (step_drafts, check_draft_table,
+    gather_drafts); a branch on ``on_device`` there would be a second choice."""
+    root = Path(ppsync.__file__).parent / "compat"
+    asking = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+              for i, line in enumerate(p.read_text().splitlines(), 1) if "on_device" in line]
+    assert asking == []

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
 from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
-from ppsync.bench.seeds import SeedsHostOps
 from ppsync.bench.stats import pct_us
+from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.host_kernels import numba_error
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
@@ -154,25 +154,25 @@ def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300
         return pool.submit(fn, *args).result(timeout=timeout_s)
 
 
-def path_cpu(configs: dict[str, SyncConfig], iters: int, *, seeds: bool = False
+def path_cpu(configs: dict[str, SyncConfig], iters: int, *, vllm: bool = False
              ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`hot_path_cpu` in a fresh process."""
-    return in_fresh_process(hot_path_cpu, configs, iters, seeds)
+    return in_fresh_process(hot_path_cpu, configs, iters, vllm)
 
 
-def hot_path_cpu(configs: dict[str, SyncConfig], iters: int, seeds: bool = False
+def hot_path_cpu(configs: dict[str, SyncConfig], iters: int, vllm: bool = False
                  ) -> tuple[dict[str, float], dict[str, float]]:
     """(last rank, receiver) own CPU µs per step of real token paths, one
     pair per entry of ``configs`` (pp_size 2), hot: a tight loop in one
     process; each figure is :func:`quiet_median` of the steps after a
     warm-up tenth. What ``ppsync bench`` reports as the hot own-CPU figure.
-    With ``seeds``, the seeds' scheme's host calls (ppsync.bench.seeds, for
-    the first config's rows and K) are timed in the same loop, as "seeds"."""
+    With ``vllm``, vLLM's scheme's host calls (ppsync.bench.vllm_scheme, for
+    the first config's rows and K) are timed in the same loop, as "vllm"."""
     own: dict[str, tuple[list[int], list[int]]] = {c: ([], []) for c in configs}
     first = next(iter(configs.values()))
-    ops = SeedsHostOps(fixed_step(first.max_num_reqs, first.num_speculative_steps))
-    if seeds:
-        own["seeds"] = ([], [])
+    ops = VllmHostOps(fixed_step(first.max_num_reqs, first.num_speculative_steps))
+    if vllm:
+        own["vllm"] = ([], [])
     with _pairs(configs) as pairs:
         names = list(configs)
         for i in range(iters):
@@ -180,13 +180,13 @@ def hot_path_cpu(configs: dict[str, SyncConfig], iters: int, seeds: bool = False
                 last, receiver, publish, take_post = pairs[name]
                 own[name][0].append(_timed(last, publish))
                 own[name][1].append(_timed(receiver, take_post))
-            if seeds:
+            if vllm:
                 t0 = cpu_now()
                 ops.last_before()
                 t1 = cpu_now()
                 ops.receiver_after(ops.receiver_before())
-                own["seeds"][0].append(t1 - t0)
-                own["seeds"][1].append(cpu_now() - t1)
+                own["vllm"][0].append(t1 - t0)
+                own["vllm"][1].append(cpu_now() - t1)
     warm = iters // 10
     med = {c: (quiet_median(a[warm:]), quiet_median(b[warm:])) for c, (a, b) in own.items()}
     return {c: m[0] for c, m in med.items()}, {c: m[1] for c, m in med.items()}
@@ -286,13 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                                num_speculative_steps=args.spec, timeout_s=30.0, **fields)
         for name, fields in variants().items()
     }
-    last, receiver = path_cpu(configs, args.iters, seeds=True)
+    last, receiver = path_cpu(configs, args.iters, vllm=True)
     print(f"own CPU per step, hot, median µs (rows={args.rows}, K={args.spec}, "
           f"{args.iters} steps, one process)")
     print(f"{'codec / host kernels':<22} {'last rank':>10} {'receiver':>10}")
-    for c in [*configs, "seeds"]:
+    for c in [*configs, "vllm"]:
         print(f"{c:<22} {last[c]:>10.1f} {receiver[c]:>10.1f}")
-    print("seeds: the seeds' scheme's host calls around its broadcasts (ppsync.bench.seeds)")
+    print("vllm: vLLM's scheme's host calls around its broadcasts (ppsync.bench.vllm_scheme)")
     return 0
 
 

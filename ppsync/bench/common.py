@@ -1,5 +1,5 @@
 """Pieces shared by the lockstep and pipelined benchmarks, inside one rank
-process: the fixed batch, the seeds' broadcasts, timing helpers, the
+process: the fixed batch, vLLM's scheme's broadcasts, timing helpers, the
 hidden-state traffic, the event-loop heartbeat, and the world-group
 collectives that align ranks. Every wait is bounded by ``timeout_s``.
 """
@@ -88,7 +88,7 @@ class FixedStep:
     num_sampled: torch.Tensor  # [rows] int32, in [1, L]
     num_rejected: torch.Tensor  # [rows] int32, L - num_sampled
     drafts: torch.Tensor | None  # [rows, K] int64; None when K = 0
-    counts: torch.Tensor  # [2 * rows] int32: num_sampled then num_rejected (seeds)
+    counts: torch.Tensor  # [2 * rows] int32: num_sampled then num_rejected (vLLM's scheme)
 
     def to(self, device: torch.device) -> FixedStep:
         """The same step with its tensors on ``device``."""
@@ -123,13 +123,13 @@ def fixed_step(rows: int, num_drafts: int, *, seed: int = 0) -> FixedStep:
 
 
 @dataclass(frozen=True, slots=True)
-class SeedsBuffers:
+class VllmBuffers:
     """Today's scheme: tokens, counts, drafts each in its own broadcast."""
 
     tensors: tuple[torch.Tensor, ...]
 
     @classmethod
-    def of(cls, step: FixedStep, *, is_last: bool) -> SeedsBuffers:
+    def of(cls, step: FixedStep, *, is_last: bool) -> VllmBuffers:
         own = (step.tokens, step.counts) + ((step.drafts,) if step.drafts is not None else ())
         if is_last:
             return cls(own)
@@ -142,7 +142,7 @@ class SeedsBuffers:
         """One broadcast after the other, each waited before the next."""
         for t in self.tensors:
             wait_work(broadcast_async(t, src, group), timeout_s=timeout_s,
-                      what="bench: seeds broadcast", peer=src)
+                      what="bench: vLLM's scheme broadcast", peer=src)
 
 
 # -- hidden-state traffic -----------------------------------------------------

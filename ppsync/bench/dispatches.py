@@ -8,7 +8,7 @@ reaches torch's dispatcher while one role's calls of one step run:
 - dispatches: every call, views included;
 - launches: the calls that are not views (on a GPU, each a kernel launch or
   a host-side op; views cost dispatch only);
-- collectives: the frames' (or the seeds' tensors') transfers, counted at
+- collectives: the frames' (or vLLM's scheme's tensors') transfers, counted at
   the transport (the loopback of ppsync.bench.loopback stands in for the
   broadcast; what it does to copy is not counted);
 - host syncs: ``aten._local_scalar_dense`` (``.item()``, ``int(t)``), the
@@ -21,7 +21,7 @@ reaches torch's dispatcher while one role's calls of one step run:
 - calls: dispatches + Triton launches + collectives, what the issue's
   targets compare (each costs host time on the thread that drives the model).
 
-Schemes: vLLM's GPU scheme as the seeds ran it (ppsync.bench.seeds' host
+Schemes: vLLM's GPU scheme (ppsync.bench.vllm_scheme' host
 calls around three broadcasts, two when K = 0), ppsync's host codec and its
 device codec with each kernel set (torch ops; Triton, in its interpreter:
 on CPU tensors the same calls a GPU would get, streams and events aside),
@@ -43,13 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ppsync.bench.codec_cpu import _step_calls, in_fresh_process, path_pair
 from ppsync.bench.common import fixed_step
-from ppsync.bench.seeds import SeedsHostOps
+from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.device_kernels import triton_error
 from ppsync.core.token_path import TokenPath
 from ppsync.schemas.bench import Target
 from ppsync.schemas.config import SyncConfig
 
-SCHEMES = ("vllm gpu (seeds)", "ppsync host", "ppsync device/torch", "ppsync device/triton")
+SCHEMES = ("vllm gpu", "ppsync host", "ppsync device/torch", "ppsync device/triton")
 ROLES = ("receiver", "last rank")
 
 
@@ -175,11 +175,11 @@ def _count_transfers(path: TokenPath, counter: DispatchCounter) -> None:
     transport.issue = counter.collective(transport.issue)  # type: ignore[method-assign]
 
 
-def _seeds_counts(rows: int, spec: int, steps: int) -> dict[str, Counts]:
-    """vLLM's GPU scheme: the seeds' host calls and one collective per tensor
+def _vllm_counts(rows: int, spec: int, steps: int) -> dict[str, Counts]:
+    """vLLM's GPU scheme: vLLM's scheme's host calls and one collective per tensor
     (the broadcasts themselves are not run: their count is the scheme's)."""
     counter = DispatchCounter()
-    ops = SeedsHostOps(fixed_step(rows, spec))
+    ops = VllmHostOps(fixed_step(rows, spec))
     transfer = counter.collective(lambda bufs: None)
 
     def last() -> None:
@@ -207,7 +207,7 @@ def count_all(rows: int, spec: int, steps: int) -> dict[str, dict[str, Counts]]:
                                 timeout_s=30.0, codec=codec,
                                 device_kernels=kernels)
     out = {
-        SCHEMES[0]: _seeds_counts(rows, spec, steps),
+        SCHEMES[0]: _vllm_counts(rows, spec, steps),
         SCHEMES[1]: _path_counts(config("host"), steps),
         SCHEMES[2]: _path_counts(config("device", "torch"), steps),
     }
@@ -217,22 +217,22 @@ def count_all(rows: int, spec: int, steps: int) -> dict[str, dict[str, Counts]]:
 
 
 def call_targets(counts: dict[str, dict[str, Counts]]) -> list[Target]:
-    """Issue 19's targets for one K's counts (reported, never asserted):
-    the Triton device codec's calls per role at most the seeds' (vLLM's GPU
-    scheme's), at most 2 compute kernels, 1 collective and no host sync; the
-    torch-op device codec's calls at most twice the seeds'."""
-    seeds = counts[SCHEMES[0]]
+    """The bench targets for one K's counts (reported, never asserted):
+    the Triton device codec's calls per role at most vLLM's scheme's, at
+    most 2 compute kernels, 1 collective and no host sync; the torch-op
+    device codec's calls at most twice vLLM's scheme's."""
+    vllm = counts[SCHEMES[0]]
     rows: list[tuple[str, float, float]] = []
     triton = counts.get(SCHEMES[3])
     for role in ROLES:
         if triton is not None:
             c = triton[role]
-            rows += [(f"triton calls {role} / seeds'", c.calls / seeds[role].calls, 1.0),
+            rows += [(f"triton calls {role} / vLLM's", c.calls / vllm[role].calls, 1.0),
                      (f"triton compute kernels {role}", c.kernels, 2.0),
                      (f"triton collectives {role}", c.collectives, 1.0),
                      (f"triton host syncs {role}", c.host_syncs, 0.0)]
         torch_calls = counts[SCHEMES[2]][role].calls
-        rows.append((f"torch-op calls {role} / seeds'", torch_calls / seeds[role].calls, 2.0))
+        rows.append((f"torch-op calls {role} / vLLM's", torch_calls / vllm[role].calls, 2.0))
     return [Target(name=n, value=v, limit=lim, met=v <= lim) for n, v, lim in rows]
 
 

@@ -15,7 +15,7 @@ b) a one-rank NCCL token group: a valid step, then a step with a bad
    num_sampled whose BatchError comes at the next call (deferred verdict).
 c) with >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, the workload with exact
    delivery, then the fused frame (the token path, ring depth 1) timed
-   against one raw NCCL broadcast of the same words and the seeds' scheme
+   against one raw NCCL broadcast of the same words and vLLM's scheme
    (tokens, counts, drafts: three broadcasts); median µs per step.
 d) a receive pending on a late peer (the last rank publishes 3 s late) does
    not hold the receiver's main stream: work queued on it after post()
@@ -23,7 +23,7 @@ d) a receive pending on a late peer (the last rank publishes 3 s late) does
    through the sync API (TokenPath.post) and the async services (open_rank,
    ReceiveService.post).
 e) per step, per role, on GPU 0: host µs on the calling thread and device µs
-   between events for vLLM's GPU scheme (the seeds' calls), the device codec
+   between events for vLLM's GPU scheme, the device codec
    with torch ops and with Triton (ppsync.bench.gpu_steps), K = 0 and 3,
    every token-path call under sync debug "error".
 
@@ -185,7 +185,7 @@ def _decode_view(n: int) -> BatchView:
 
 
 def _timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
-    """The fused frame vs one raw broadcast vs the seeds' three broadcasts,
+    """The fused frame vs one raw broadcast vs vLLM's scheme's three broadcasts,
     interleaved, over NCCL; median µs per step as seen by this rank."""
     dev = _device(env.rank)
     P, rows, K = env.world_size, 256, 2
@@ -214,11 +214,11 @@ def _timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
     def one_raw() -> None:
         dist.broadcast(raw, src=src, group=nccl)
 
-    def seeds() -> None:
+    def vllm() -> None:
         for t in (tokens, counts, drafts):
             dist.broadcast(t, src=src, group=nccl)
 
-    variants = {"fused frame": fused, "raw broadcast": one_raw, "seeds' scheme": seeds}
+    variants = {"fused frame": fused, "raw broadcast": one_raw, "vLLM's scheme": vllm}
     if not path.is_last:
         assert path.consume() is None  # D = 1: reserves the tail each post() fills
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         _run(f"c) P=min(4, {gpus}) ranks over NCCL", lambda: check_c(args.steps, gpus))
         if gpus >= 2 else ("c) P ranks over NCCL", "SKIP", f"{gpus} GPU: needs >= 2", 0.0),
         _run("d) late peer, main stream not held", lambda: check_d(gpus)),
-        _run("e) per step: seeds vs device/torch vs device/triton", check_e),
+        _run("e) per step: vLLM's scheme vs device/torch vs device/triton", check_e),
         _run("f) 1-rank NCCL: future done vs is_completed", check_f),
         _run("g) overwrite after publish, receivers get originals", lambda: check_g(gpus)),
         _run("h) Triton variants flat across row counts", check_h)

@@ -2,7 +2,7 @@
 drives the model (host µs) and the device (µs between events), for
 ``make gpu-check``'s check e.
 
-Schemes: vLLM's GPU scheme as the seeds ran it (ppsync.bench.seeds' calls on
+Schemes: vLLM's GPU scheme (ppsync.bench.vllm_scheme' calls on
 CUDA tensors; its broadcasts are not run, as in ppsync.bench.dispatches),
 and the device codec with each kernel set ("torch"; "triton" where Triton
 imports and runs compiled), on a real :class:`TokenPath` pair in one
@@ -23,7 +23,7 @@ import torch
 
 from ppsync.bench.codec_cpu import path_pair
 from ppsync.bench.common import fixed_step
-from ppsync.bench.seeds import SeedsHostOps
+from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.device_kernels import triton_error
 from ppsync.schemas.config import SyncConfig
 
@@ -76,10 +76,10 @@ def time_schemes(rows: int, spec: int, iters: int, device: str = "cuda:0") -> Ti
     "cpu": the tests' dry run, Triton in its interpreter where it imports)."""
     dev = torch.device(device)
     step = fixed_step(rows, spec).to(dev)
-    seeds = SeedsHostOps(step, dev)
-    out: Timing = {"vllm gpu (seeds)": _timed([
-        ("last rank", seeds.last_before, None),
-        ("receiver", lambda: seeds.receiver_after(seeds.receiver_before()), None)], iters, dev)}
+    vllm = VllmHostOps(step, dev)
+    out: Timing = {"vllm gpu": _timed([
+        ("last rank", vllm.last_before, None),
+        ("receiver", lambda: vllm.receiver_after(vllm.receiver_before()), None)], iters, dev)}
     sets = ["torch"] + (["triton"] if triton_error() is None else [])
     for kernels in sets:
         config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,

@@ -4,7 +4,7 @@ rank derives from the iteration number (so all ranks issue the same
 collectives in the same order):
 
 - ``a_raw_frame``: one raw broadcast of a frame's words (the floor);
-- ``b_seeds``: today's scheme, tokens / counts / drafts in 2-3 broadcasts,
+- ``b_vllm``: today's scheme, tokens / counts / drafts in 2-3 broadcasts,
   issued back to back and then waited;
 - ``c_ppsync_sync``: TokenPath with ring depth 1: the last rank publish()es
   (and waits for the send, as a broadcast root does), receivers post() then
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ppsync.bench.common import (
     Heartbeat,
     RankCtx,
-    SeedsBuffers,
+    VllmBuffers,
     cpu_now,
     now,
     run_async,
@@ -47,14 +47,14 @@ from ppsync.bench.common import (
 )
 from ppsync.bench.stats import overdue_within
 from ppsync.core.frame import FrameView
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import PPSyncError
 from ppsync.services.completion import await_work
 from ppsync.services.runtime import Rank, open_rank
 
-VARIANTS = ("a_raw_frame", "b_seeds", "c_ppsync_sync", "d_ppsync_async")
+VARIANTS = ("a_raw_frame", "b_vllm", "c_ppsync_sync", "d_ppsync_async")
 MIN_SLOT_NS = 500_000
 MAX_RUN_NS = 75_000_000_000  # the slots of a whole run: past this they shrink
 START_LEAD_NS = 50_000_000
@@ -87,14 +87,14 @@ class _Lockstep:
         self.ctx = ctx
         self.clock = clock
         self.config = o.sync_config(ring_depth=1)
-        codec = FrameCodec(self.config)
+        codec = HostFrames(self.config)
         self.frame = torch.zeros(codec.words(o.rows), dtype=torch.int64)  # [words]
         if ctx.is_last:  # a real frame, though a raw broadcast never looks
             s = ctx.step
             codec.pack(self.frame.numpy(), FrameView(0, o.rows, 0), s.tokens.numpy(),
                        s.num_sampled.numpy(), s.num_rejected.numpy(),
                        None if s.drafts is None else s.drafts.numpy())
-        self.seeds = SeedsBuffers.of(ctx.step, is_last=ctx.is_last)
+        self.vllm = VllmBuffers.of(ctx.step, is_last=ctx.is_last)
         self.lanes: list[_Lane] = []
 
     @property
@@ -114,7 +114,7 @@ class _Lockstep:
             wait_work(broadcast_async(self.frame, ctx.src, lane.group),
                       timeout_s=timeout_s, what=self._what("a"), peer=ctx.src)
         elif v == 1:
-            wait_all(self.seeds.issue(ctx.src, lane.group), timeout_s=timeout_s,
+            wait_all(self.vllm.issue(ctx.src, lane.group), timeout_s=timeout_s,
                      what=self._what("b"))
         elif v == 2:
             cpu = self._sync_step(lane.path)

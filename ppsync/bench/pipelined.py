@@ -1,7 +1,7 @@
 """The pipelined benchmark, inside one rank: an engine-like loop that spins
 ``compute_us`` of simulated compute per step, for three token schemes:
 
-- ``seeds``: today's CPU scheme, synchronous: receivers run the tokens /
+- ``vllm``: vLLM's scheme (today's), on the CPU, synchronous: receivers run the tokens /
   counts / drafts broadcasts blocking at the start of each step (before the
   step's compute, where the engine needs them), the last rank after its
   compute (after sampling);
@@ -32,22 +32,22 @@ import torch.distributed as dist
 from ppsync.bench.common import (
     Heartbeat,
     RankCtx,
-    SeedsBuffers,
+    VllmBuffers,
     cpu_now,
     now,
     run_async,
     spin_ns,
     world_barrier,
 )
-from ppsync.bench.seeds import SeedsHostOps
 from ppsync.bench.stats import overdue_within
+from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
 from ppsync.errors import PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
 
-SCHEMES = ("seeds", "ppsync_sync", "ppsync_async")
+SCHEMES = ("vllm", "ppsync_sync", "ppsync_async")
 MAX_ROUNDS = 4
 MIN_CHUNK = 50
 
@@ -63,7 +63,7 @@ class Series:
     lag_ns: list[np.ndarray] = field(default_factory=list)  # lateness in token calls
     lag_raw_ns: list[np.ndarray] = field(default_factory=list)  # raw heartbeat lateness
     spans: list[tuple[int, int]] = field(default_factory=list)  # measured steps, per chunk
-    cpu_ns: list[np.ndarray] = field(default_factory=list)  # seeds, ppsync_sync: own CPU per step
+    cpu_ns: list[np.ndarray] = field(default_factory=list)  # vllm, ppsync_sync: own CPU per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +142,11 @@ class _Chunk:
         into.counted += self.counted
 
 
-def _seeds(c: _Chunk) -> None:
-    """The seeds' scheme with its host calls (ppsync.bench.seeds); its own
+def _vllm(c: _Chunk) -> None:
+    """vLLM's scheme with its host calls (ppsync.bench.vllm_scheme); its own
     CPU per step is those calls' CPU, the broadcasts' excluded."""
     ctx = c.ctx
-    ops = SeedsHostOps(ctx.step)
+    ops = VllmHostOps(ctx.step)
     timeout_s = c.config.timeout_s
     for t in range(c.total):
         c.marks[t] = t0 = now()
@@ -154,7 +154,7 @@ def _seeds(c: _Chunk) -> None:
             u0 = cpu_now()
             bufs = ops.receiver_before()
             b0 = cpu_now()
-            SeedsBuffers(bufs).blocking(ctx.src, c.group, timeout_s=timeout_s)
+            VllmBuffers(bufs).blocking(ctx.src, c.group, timeout_s=timeout_s)
             b1 = cpu_now()
             ops.receiver_after(bufs)
             c.blocked[t] = now() - t0
@@ -164,7 +164,7 @@ def _seeds(c: _Chunk) -> None:
             t1, u0 = now(), cpu_now()
             bufs = ops.last_before()
             b0 = cpu_now()
-            SeedsBuffers(bufs).blocking(ctx.src, c.group, timeout_s=timeout_s)
+            VllmBuffers(bufs).blocking(ctx.src, c.group, timeout_s=timeout_s)
             c.blocked[t] = now() - t1
             c.cpu[t] = b0 - u0
     c.finish()
@@ -221,8 +221,8 @@ async def _ppsync_async(c: _Chunk, beat: Heartbeat) -> None:
 
 
 def _run_chunk(scheme: str, c: _Chunk, into: Series) -> None:
-    if scheme == "seeds":
-        _seeds(c)
+    if scheme == "vllm":
+        _vllm(c)
     elif scheme == "ppsync_sync":
         _ppsync_sync(c)
     else:

@@ -34,7 +34,7 @@ from ppsync.bench.pipelined import (
     rounds,
 )
 from ppsync.bench.stats import pct_us, ratio
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.bench import (
     BenchOptions,
@@ -81,11 +81,11 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     pipe = [r[1] for r in results]
     lockstep = _lockstep_stats(opts, lock)
     pipelined = _pipelined_stats(opts, pipe)
-    last_hot, recv_hot = path_cpu({"host": hot_config(opts)}, iters=3000, seeds=True)
+    last_hot, recv_hot = path_cpu({"host": hot_config(opts)}, iters=3000, vllm=True)
     rec = recorder_cpu(opts)
     counted = in_fresh_process(count_all, opts.rows, opts.spec, 20)
     pipe_cpu = [np.concatenate(r.series["ppsync_sync@dedicated"].cpu_ns) for r in pipe]
-    seeds_cpu = [np.concatenate(r.series["seeds@dedicated"].cpu_ns) for r in pipe]
+    vllm_cpu = [np.concatenate(r.series["vllm@dedicated"].cpu_ns) for r in pipe]
     cpu = CpuStats(
         last_inrun_p50_us=pct_us(lock[-1].cpu_ns, 50),
         receiver_inrun_p50_us=max(pct_us(r.cpu_ns, 50) for r in lock[:-1]),
@@ -93,10 +93,10 @@ def run_bench(opts: BenchOptions) -> BenchReport:
         receiver_pipelined_p50_us=max(pct_us(a, 50) for a in pipe_cpu[:-1]),
         last_micro_p50_us=last_hot["host"],
         receiver_micro_p50_us=recv_hot["host"],
-        seeds_last_pipelined_p50_us=pct_us(seeds_cpu[-1], 50),
-        seeds_receiver_pipelined_p50_us=max(pct_us(a, 50) for a in seeds_cpu[:-1]),
-        seeds_last_micro_p50_us=last_hot["seeds"],
-        seeds_receiver_micro_p50_us=recv_hot["seeds"],
+        vllm_last_pipelined_p50_us=pct_us(vllm_cpu[-1], 50),
+        vllm_receiver_pipelined_p50_us=max(pct_us(a, 50) for a in vllm_cpu[:-1]),
+        vllm_last_micro_p50_us=last_hot["vllm"],
+        vllm_receiver_micro_p50_us=recv_hot["vllm"],
         recorder_last_us=rec["last_on"], recorder_last_off_us=rec["last_off"],
         recorder_receiver_us=rec["receiver_on"], recorder_receiver_off_us=rec["receiver_off"],
     )
@@ -106,7 +106,7 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     reference = (opts.pp_size, opts.rows, opts.compute_us) == (2, 256, 400)
     return BenchReport(
         options=opts,
-        frame_words=FrameCodec(opts.sync_config(ring_depth=1)).words(opts.rows),
+        frame_words=HostFrames(opts.sync_config(ring_depth=1)).words(opts.rows),
         slot_us=lock[0].slot_ns / 1e3,
         lockstep=lockstep,
         lockstep_lag_p99_us=lag_p99,
@@ -171,7 +171,7 @@ def _pipelined_stats(opts: BenchOptions, pipe: list[PipelinedRankResult]) -> lis
                 blocked_last_p50_us=pct_us(blocked[-1], 50),
                 blocked_receiver_p50_us=max(pct_us(a, 50) for a in blocked[:-1]),
                 complete_at_consume=(sum(s.complete for s in recv) / counted
-                                     if scheme != "seeds" and counted else None),
+                                     if scheme != "vllm" and counted else None),
                 lag_p99_us=max(pct_us(np.concatenate(s.lag_ns), 99) for s in per_rank)
                 if is_async else None,
                 lag_raw_p99_us=max(pct_us(np.concatenate(s.lag_raw_ns), 99) for s in per_rank)
@@ -189,11 +189,11 @@ def _ratios(opts: BenchOptions, lockstep: list[LockstepStats],
         at = "" if g == "dedicated" else "@world"
         for num, den in (("c", "a"), ("c", "b"), ("d", "a"), ("d", "b")):
             out[f"{num}/{den}{at}"] = ratio(span[num, g], span[den, g])
-        seeds = pipe["seeds", g]
+        vllm = pipe["vllm", g]
         for scheme, short in (("ppsync_sync", "sync"), ("ppsync_async", "async")):
             p = pipe[scheme, g]
-            out[f"{short}/seeds step{at}"] = ratio(p.step_p50_us, seeds.step_p50_us)
-            out[f"{short}/seeds blocked{at}"] = ratio(p.blocked_p50_us, seeds.blocked_p50_us)
+            out[f"{short}/vllm step{at}"] = ratio(p.step_p50_us, vllm.step_p50_us)
+            out[f"{short}/vllm blocked{at}"] = ratio(p.blocked_p50_us, vllm.blocked_p50_us)
     if opts.hidden is not None:  # what the dedicated group is worth
         for v in "abcd":
             out[f"{v} world/dedicated"] = ratio(span[v, "world"], span[v, "dedicated"])
@@ -205,22 +205,22 @@ def _ratios(opts: BenchOptions, lockstep: list[LockstepStats],
 
 def _targets(opts: BenchOptions, ratios: dict[str, float], cpu: CpuStats, idle_lag_us: float,
              pipelined: list[PipelinedStats]) -> list[Target]:
-    """Issue 20's targets (set for P=2, C=400 µs, 256 rows, K=0 and K=3, the
+    """The bench targets of the tables (set for P=2, C=400 µs, 256 rows, K=0 and K=3, the
     flight recorder on); reported only."""
     async_lag = next(s.lag_p99_us for s in pipelined
                      if s.variant == "ppsync_async" and s.group == "dedicated") or 0.0
     rows: list[tuple[str, float, float]] = [
-        ("pipelined sync/seeds step", ratios["sync/seeds step"], 0.45),
-        ("pipelined sync/seeds blocked", ratios["sync/seeds blocked"], 0.15),
+        ("pipelined sync/vllm step", ratios["sync/vllm step"], 0.45),
+        ("pipelined sync/vllm blocked", ratios["sync/vllm blocked"], 0.15),
         ("lockstep c/b", ratios["c/b"], 1.0 if opts.spec == 0 else 0.8),
         ("lockstep c/a", ratios["c/a"], 1.35),
         ("lockstep d/a", ratios["d/a"], 1.8),
         ("own CPU last rank us (hot)", cpu.last_micro_p50_us, 10.0),
         ("own CPU receiver us (hot)", cpu.receiver_micro_p50_us, 10.0),
-        ("own CPU last rank / seeds' (hot)",
-         ratio(cpu.last_micro_p50_us, cpu.seeds_last_micro_p50_us), 1.0),
-        ("own CPU receiver / seeds' (hot)",
-         ratio(cpu.receiver_micro_p50_us, cpu.seeds_receiver_micro_p50_us), 1.0),
+        ("own CPU last rank / vLLM's (hot)",
+         ratio(cpu.last_micro_p50_us, cpu.vllm_last_micro_p50_us), 1.0),
+        ("own CPU receiver / vLLM's (hot)",
+         ratio(cpu.receiver_micro_p50_us, cpu.vllm_receiver_micro_p50_us), 1.0),
         ("own CPU last rank us (pipelined)", cpu.last_pipelined_p50_us, 30.0),
         ("own CPU receiver us (pipelined)", cpu.receiver_pipelined_p50_us, 30.0),
         ("loop lag p99 added over idle us", async_lag - idle_lag_us, 500.0),
@@ -264,9 +264,9 @@ def format_tables(report: BenchReport) -> str:
         f"  last rank {c.last_inrun_p50_us:.1f} / {c.last_pipelined_p50_us:.1f} / "
         f"{c.last_micro_p50_us:.1f};  receiver {c.receiver_inrun_p50_us:.1f} / "
         f"{c.receiver_pipelined_p50_us:.1f} / {c.receiver_micro_p50_us:.1f}",
-        "  the seeds' host calls, pipelined / hot (broadcasts excluded): last rank "
-        f"{c.seeds_last_pipelined_p50_us:.1f} / {c.seeds_last_micro_p50_us:.1f};  receiver "
-        f"{c.seeds_receiver_pipelined_p50_us:.1f} / {c.seeds_receiver_micro_p50_us:.1f}",
+        "  vLLM's scheme's host calls, pipelined / hot (broadcasts excluded): last rank "
+        f"{c.vllm_last_pipelined_p50_us:.1f} / {c.vllm_last_micro_p50_us:.1f};  receiver "
+        f"{c.vllm_receiver_pipelined_p50_us:.1f} / {c.vllm_receiver_micro_p50_us:.1f}",
         f"flight recorder per step (us, its calls alone): last rank {c.recorder_last_us:.2f} "
         f"on / {c.recorder_last_off_us:.2f} off; receiver {c.recorder_receiver_us:.2f} on / "
         f"{c.recorder_receiver_off_us:.2f} off",
@@ -289,9 +289,9 @@ def format_tables(report: BenchReport) -> str:
     lines.append(f"an idle loop's lag p99 at the same time (the same heartbeat in the parent "
                  f"process, raw, during ppsync_async): {report.idle_lag_p99_us:.1f} us")
     lines.append(
-        f"ratios (p50): sync/seeds step {r['sync/seeds step']:.2f} blocked "
-        f"{r['sync/seeds blocked']:.2f}; async/seeds step {r['async/seeds step']:.2f} "
-        f"blocked {r['async/seeds blocked']:.2f}"
+        f"ratios (p50): sync/vllm step {r['sync/vllm step']:.2f} blocked "
+        f"{r['sync/vllm blocked']:.2f}; async/vllm step {r['async/vllm step']:.2f} "
+        f"blocked {r['async/vllm blocked']:.2f}"
     )
     if o.hidden is not None:
         at_world = "  ".join(f"{k.removesuffix('@world')} {v:.2f}"

@@ -6,11 +6,11 @@ recorder and its dumps, and the token path that combines them."""
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
 from ppsync.core.batch.mask import need_sampled_mask
+from ppsync.core.codec import StepCodec
 from ppsync.core.dumps import dump_all, install_dump_triggers, set_world
 from ppsync.core.frame import FrameView
-from ppsync.core.frame.codec import StepCodec
-from ppsync.core.frame.device_frames import DeviceFrameCodec
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.device_frames import DeviceFrames
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import (
     pipeline_layout,
@@ -30,12 +30,12 @@ from ppsync.core.token_path import TokenPath
 __all__ = [
     "AuxRelay",
     "BatchView",
-    "DeviceFrameCodec",
+    "DeviceFrames",
     "FailureBoard",
     "FlightRecorder",
-    "FrameCodec",
     "FrameView",
     "GenerationTable",
+    "HostFrames",
     "PendingStep",
     "Platform",
     "PreparedStep",

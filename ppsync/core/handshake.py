@@ -14,8 +14,8 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from ppsync.core.codec import frames_on_device
 from ppsync.core.completion import Completion
-from ppsync.core.frame.codec import frames_on_device
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION
 from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig

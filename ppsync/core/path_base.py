@@ -19,7 +19,7 @@ would wait on, which these name:
   call's 0-based step number.
 
 Everything that depends on the codec is in the codec object
-(ppsync.core.frame.codec), chosen once: no branch here or in TokenPath asks
+(ppsync.core.codec.base), chosen once: no branch here or in TokenPath asks
 which codec it has.
 """
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
+from ppsync.core.codec import StepCodec, codec_for
 from ppsync.core.completion import Completion, completion_for
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
-from ppsync.core.frame.codec import StepCodec, codec_for
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
@@ -139,7 +139,7 @@ class PathBase:
         # before anything is issued
         self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
                                           backend=backend, rank=self.rank, src=self.src)
-        """Packs, checks and releases this path's frames (ppsync.core.frame.codec)."""
+        """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
         on_device = self.completion.device_only
         self.handshake: Handshake | None = Handshake(
             config, group, rank=self.rank, completion=self.completion,

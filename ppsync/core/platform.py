@@ -1,6 +1,6 @@
 """Platforms: the few calls that differ between CPU, CUDA and XPU.
 
-The device codec (``ppsync.core.device_codec``) and the token path's device
+The device codec (``ppsync.core.codec.device``) and the token path's device
 steps are plain torch ops; only these calls depend on where the frame lives:
 
 - the collective backend (gloo / nccl / xccl);

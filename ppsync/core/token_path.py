@@ -27,8 +27,8 @@ import torch
 
 from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target, check_sample_width
+from ppsync.core.codec import StepDrafts
 from ppsync.core.dumps import records_errors
-from ppsync.core.frame.codec import StepDrafts
 from ppsync.core.path_base import PathBase, takes_args_of
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep, PreparedStep
@@ -61,7 +61,7 @@ class TokenPath(PathBase):
         Device codec: dtypes, shapes and the batch view are checked here; the
         values of num_sampled / num_rejected are checked on the device, and a
         bad one raises BatchError at the next call (see
-        ppsync.core.frame.device_codec)."""
+        ppsync.core.codec.device)."""
         self.require_role(self.names.publish, last=True)
         self.codec.settle()  # a sent step's deferred verdict (device codec)
         check_sample_width(sample_width, self.config.sample_width)

@@ -21,9 +21,9 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from ppsync.core.codec import frames_on_device
 from ppsync.core.completion import STATS, completion_for, emulate
 from ppsync.core.dumps import set_world
-from ppsync.core.frame.codec import frames_on_device
 from ppsync.core.groups import group_facts, pipeline_layout, token_groups
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
@@ -57,24 +57,37 @@ class RunOptions:
 
 
 class Progress:
-    """One line to ``out`` every ``every_s`` seconds: steps done, steps/s, ETA."""
+    """One line to ``out`` every ``every_s`` seconds: steps done of the
+    ``steps`` asked for (and the ``drain`` steps that end the run, D, when
+    there are any), steps/s and ETA. The clock starts at the first step, not
+    when this is built: the group, the handshake and the kernels' loading
+    are not steps."""
 
-    def __init__(self, total: int, every_s: float, out: TextIO | None = None) -> None:
-        self.total = total
+    def __init__(self, steps: int, every_s: float, out: TextIO | None = None, *,
+                 drain: int = 0) -> None:
+        self.steps = steps
+        self.drain = drain
         self.every_s = every_s
         self.out = out
-        self.started = time.monotonic()
-        self.next_at = self.started + every_s
+        self.started: float | None = None
+        self.first_done = 0
+        self.next_at = 0.0
 
     def __call__(self, step: int) -> None:
         now = time.monotonic()
+        done = step + 1
+        if self.started is None:  # the first step: the clock starts here
+            self.started, self.first_done = now, done
+            self.next_at = now + self.every_s
+            return
         if now < self.next_at:
             return
         self.next_at = now + self.every_s
-        done = step + 1
-        rate = done / max(now - self.started, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else 0.0
-        print(f"ppsync: step {done}/{self.total}  {rate:.0f} steps/s  ETA {eta:.0f} s",
+        rate = (done - self.first_done) / max(now - self.started, 1e-9)
+        total = self.steps + self.drain
+        eta = (total - done) / rate if rate > 0 else 0.0
+        drain = f"+{self.drain} drain" if self.drain else ""
+        print(f"ppsync: step {done}/{self.steps}{drain}  {rate:.0f} steps/s  ETA {eta:.0f} s",
               file=self.out or sys.stderr, flush=True)
 
 
@@ -147,7 +160,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     board = FailureBoard(store, ranks=layout[index], me=world.rank)
     progress = None
     if opts.progress_s is not None and world.rank == 0:
-        progress = Progress(opts.steps + config.depth, opts.progress_s)
+        progress = Progress(opts.steps, opts.progress_s, drain=config.depth)
     try:
         mine = _run_group(config, opts, group, board, progress, device)
     except Exception:

@@ -78,7 +78,7 @@ class LockstepStats(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     variant: str
-    """a_raw_frame, b_seeds, c_ppsync_sync or d_ppsync_async."""
+    """a_raw_frame, b_vllm, c_ppsync_sync or d_ppsync_async."""
     group: str
     """'dedicated' (the token group) or 'world'."""
     span_p50_us: float
@@ -97,7 +97,7 @@ class PipelinedStats(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     variant: str
-    """seeds (blocking broadcasts each step), ppsync_sync or ppsync_async."""
+    """vllm (vLLM's scheme: blocking broadcasts each step), ppsync_sync or ppsync_async."""
     group: str
     """'dedicated' or 'world'."""
     step_p50_us: float
@@ -147,15 +147,15 @@ class CpuStats(BaseModel):
     receiver_micro_p50_us: float
     """The same hot loop, the receiver: consume() + post() CPU time minus
     the issue and waits."""
-    seeds_last_pipelined_p50_us: float = 0.0
-    """The seeds' scheme in the same pipelined loop, last rank: its host
-    calls (ppsync.bench.seeds) CPU time, its broadcasts excluded."""
-    seeds_receiver_pipelined_p50_us: float = 0.0
+    vllm_last_pipelined_p50_us: float = 0.0
+    """vLLM's scheme in the same pipelined loop, last rank: its host
+    calls (ppsync.bench.vllm_scheme) CPU time, its broadcasts excluded."""
+    vllm_receiver_pipelined_p50_us: float = 0.0
     """The same, a receiver."""
-    seeds_last_micro_p50_us: float = 0.0
-    """The seeds' scheme's last-rank host calls in the hot loop, timed
+    vllm_last_micro_p50_us: float = 0.0
+    """vLLM's scheme's last-rank host calls in the hot loop, timed
     between ppsync's steps (the same quietest-block median)."""
-    seeds_receiver_micro_p50_us: float = 0.0
+    vllm_receiver_micro_p50_us: float = 0.0
     """The same, a receiver's host calls."""
     recorder_last_us: float = 0.0
     """Single process: the flight recorder's calls per last-rank step

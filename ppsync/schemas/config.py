@@ -27,6 +27,10 @@ CodecName = Literal["host", "device"]
 HostKernelsName = Literal["auto", "numba", "numpy"]
 DeviceKernelsName = Literal["auto", "triton", "torch"]
 
+DEFAULT_TIMEOUT_S = 60.0
+"""The bound on every wait when none is given: SyncConfig's, the handler's
+and the ``ppsync`` command's ``--timeout``."""
+
 
 class SyncConfig(BaseModel):
     """What every rank of one PP group must agree on."""
@@ -43,7 +47,7 @@ class SyncConfig(BaseModel):
     """K: draft tokens per request per step; the sample width is L = K + 1."""
     ring_depth: int | None = Field(default=None, ge=1, le=1024)
     """D: steps between posting a receive and consuming it (None = pp_size)."""
-    timeout_s: float = Field(default=60.0, gt=0, le=86400)
+    timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, le=86400)
     """Bound on every wait: a transfer, a consumer wait, the group's collectives."""
     wire: WireMode = "fixed"
     """'fixed': frames sized for max_num_reqs rows (mismatched num_reqs cannot

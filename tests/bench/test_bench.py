@@ -18,10 +18,10 @@ from ppsync.errors import ConfigError
 
 TINY = ["--rows", "8", "--iters", "30", "--pipelined-iters", "60", "--warmup", "6",
         "--compute-us", "50", "--timeout", "20"]
-LOCK_VARIANTS = ["a_raw_frame", "b_seeds", "c_ppsync_sync", "d_ppsync_async"]
-SCHEMES = ["seeds", "ppsync_sync", "ppsync_async"]
-RATIO_KEYS = {"c/a", "c/b", "d/a", "d/b", "sync/seeds step", "sync/seeds blocked",
-              "async/seeds step", "async/seeds blocked"}
+LOCK_VARIANTS = ["a_raw_frame", "b_vllm", "c_ppsync_sync", "d_ppsync_async"]
+SCHEMES = ["vllm", "ppsync_sync", "ppsync_async"]
+RATIO_KEYS = {"c/a", "c/b", "d/a", "d/b", "sync/vllm step", "sync/vllm blocked",
+              "async/vllm step", "async/vllm blocked"}
 
 
 def _check_report(report: BenchReport, groups: list[str]) -> None:
@@ -38,7 +38,7 @@ def _check_report(report: BenchReport, groups: list[str]) -> None:
     for p in report.pipelined:
         # a step spins compute_us, so its wall time cannot be shorter
         assert p.step_p50_us >= o.compute_us and p.blocked_p50_us > 0
-        if p.variant == "seeds":
+        if p.variant == "vllm":
             assert p.complete_at_consume is None
         else:
             assert p.complete_at_consume is not None and 0 <= p.complete_at_consume <= 1
@@ -51,8 +51,8 @@ def _check_report(report: BenchReport, groups: list[str]) -> None:
     assert report.frame_words == 8 + o.rows * (2 * o.spec + 5)  # header + [rows, L + 4 + K]
     assert report.slot_us >= 500
     assert {t.name for t in report.targets} >= {
-        "lockstep c/b", "lockstep c/a", "lockstep d/a", "pipelined sync/seeds step",
-        "own CPU last rank / seeds' (hot)", "own CPU receiver / seeds' (hot)",
+        "lockstep c/b", "lockstep c/a", "lockstep d/a", "pipelined sync/vllm step",
+        "own CPU last rank / vLLM's (hot)", "own CPU receiver / vLLM's (hot)",
         "own CPU receiver us (pipelined)", "loop lag p99 added over idle us"}
     assert report.idle_lag_p99_us > 0
     assert all(t.met == (t.value <= t.limit) for t in report.targets)
@@ -67,7 +67,7 @@ def test_cli_bench_prints_tables_and_writes_json(
     for head in ("lockstep: P=2 rows=8 K=0", "pipelined: P=2 rows=8 K=0", "span_p50",
                  "recv_p50", "step_p50", "blk_p50", "done@cons", "lag_p99", "own CPU per step",
                  "loop lag p99", "torch calls per step", "an idle loop's lag p99",
-                 "the seeds' host calls", "flight recorder per step", "targets"):
+                 "vLLM's scheme's host calls", "flight recorder per step", "targets"):
         assert head in text, head
     for name in LOCK_VARIANTS + SCHEMES:
         assert re.search(rf"^{name}\s+dedicated\s+\d", text, re.M), name
@@ -95,7 +95,7 @@ def test_bench_hidden_runs_on_both_groups() -> None:
                         compute_us=30, hidden=(4, 64), timeout_s=20)
     report = run_bench(opts)
     _check_report(report, ["dedicated", "world"])
-    assert {"c/a@world", "sync/seeds step@world", "c world/dedicated",
+    assert {"c/a@world", "sync/vllm step@world", "c world/dedicated",
             "ppsync_sync step world/dedicated"} <= report.ratios.keys()
     text = format_tables(report)
     assert "ratios on the world group" in text and "world group vs dedicated" in text

@@ -43,7 +43,7 @@ def test_dry_run_workload_is_exact_on_two_ranks(kernels: str) -> None:
 def test_dry_run_per_step_timing_names_every_scheme() -> None:
     timing = in_fresh_process(time_schemes, 8, 2, 3, "cpu")
     sets = ["torch"] + (["triton"] if triton_error() is None else [])
-    assert list(timing) == ["vllm gpu (seeds)", *(f"ppsync device/{k}" for k in sets)]
+    assert list(timing) == ["vllm gpu", *(f"ppsync device/{k}" for k in sets)]
     for roles in timing.values():
         assert set(roles) == {"last rank", "receiver"}
         assert all(host > 0 and dev == 0 for host, dev in roles.values())
@@ -59,7 +59,7 @@ def test_dry_run_one_rank_group_defers_the_bad_value() -> None:
 def test_dry_run_timing_and_late_peer() -> None:
     timed = spawn_ranks(functools.partial(gpu_check._timed_rank, 5, "gloo"), 2,
                         timeout_s=gpu_check.TIMEOUT_S)
-    assert all(set(t) == {"fused frame", "raw broadcast", "seeds' scheme"} for t in timed)
+    assert all(set(t) == {"fused frame", "raw broadcast", "vLLM's scheme"} for t in timed)
     late = spawn_ranks(functools.partial(gpu_check._late_peer_rank, "gloo", 0.3), 2,
                        timeout_s=gpu_check.TIMEOUT_S)
     assert late[0]["delivered"] is True

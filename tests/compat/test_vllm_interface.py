@@ -23,12 +23,12 @@ from vllm_standin import write_dist_info
 
 from ppsync.compat.vllm import PPHandler
 from ppsync.compat.vllm.checks import rebuilt_like
+from ppsync.compat.vllm.handler import handler_class
 from ppsync.compat.vllm.versions import (
     EAGLE3_UTILS,
     ENV_INTERFACE,
     INTERFACES,
     XPU_MICROBATCH,
-    handler_class,
     installed_vllm_version,
     interface_for_version,
     interfaces_from_env,
@@ -335,3 +335,9 @@ def k0_rank(env: RankEnv) -> None:
 
 def test_k0_rules_of_each_interface() -> None:
     spawn_ranks(k0_rank, 2, timeout_s=45.0)
+
+
+def test_every_interface_has_the_class_that_serves_it() -> None:
+    """Each class registers the interface it serves (the base imports no
+    subclass); the table of versions names only interfaces."""
+    assert {i: handler_class(i).interface for i in INTERFACES} == {i: i for i in INTERFACES}

@@ -48,7 +48,7 @@ def test_help_shows_the_kernel_flags_and_their_defaults(
     text = " ".join(capsys.readouterr().out.split())
     assert "--device-kernels {auto,triton,torch}" in text
     assert "--host-kernels {auto,numba,numpy}" in text
-    assert text.count("default auto)") >= 2
+    assert text.count("(default: auto)") >= 2
 
 
 def test_a_kernel_set_that_cannot_run_here_exits_2_before_any_rank(

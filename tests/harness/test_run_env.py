@@ -9,7 +9,6 @@ typed and bounded when the killed rank was the store's host.
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,6 @@ import torch
 from rank_procs import RankProcs, free_port, rank_env
 
 from ppsync.cli import main
-from ppsync.harness.rank import Progress
 
 TIMEOUT_S = 5.0  # --timeout of every rank; survivors must end within TIMEOUT_S + 5 s
 ARGS = ["--max-num-reqs", "8", "--spec", "1", "--timeout", str(TIMEOUT_S)]
@@ -165,10 +163,3 @@ def test_a_rank_whose_peers_never_come_fails_typed_after_the_join_timeout(
     assert ended[0].code == 1, ended[0].err
     assert re.search(r"ppsync: rank 0: SyncTimeout: rank 0 of 2 could not join the world at "
                      r"127\.0\.0\.1:\d+ within join timeout = 2\.0 s", ended[0].err), ended[0].err
-
-
-def test_progress_line_says_steps_rate_and_eta() -> None:
-    out = io.StringIO()
-    progress = Progress(total=1000, every_s=1e-9, out=out)
-    progress(249)
-    assert re.fullmatch(r"ppsync: step 250/1000  \d+ steps/s  ETA \d+ s\n", out.getvalue())

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from ppsync.cli import _parser, main
+from ppsync.cli import main
+from ppsync.cli.parser import _parser
 from ppsync.harness.vllm_check import check, engine, worker_hooks
 from ppsync.harness.vllm_check.report import (
     RunResult,

@@ -4,8 +4,9 @@ shares, on top of :class:`ppsync.core.token_path.TokenPath`.
 Only the interface carries over from vLLM. Each of vLLM's handler interfaces
 is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_23, v0_25,
 v0_30, v0_32, v0_33, v0_34_cpu), stating its own signatures, widths, drafts
-and need rule (ppsync.compat.vllm.need_rules); ppsync.compat.vllm.versions
-maps vLLM releases to them. ``PPHandler(..., interface=...)`` builds the
+and need rule (ppsync.compat.vllm.need_rules), and registers the interface
+it serves; ppsync.compat.vllm.versions maps vLLM releases to interfaces.
+``PPHandler(..., interface=...)`` builds the
 interface's class (None: the installed vLLM's); a call in another
 interface's shape raises :class:`ProtocolError` naming both. Per engine
 step, every rank calls, in this order:
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, rebuilt_like
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.versions import (
+    Interface,
     Runner,
     microbatching_off,
     relay_keys_of,
@@ -59,7 +61,7 @@ from ppsync.compat.vllm.versions import (
 )
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView
-from ppsync.core.frame.codec import StepDrafts, default_codec, frames_home
+from ppsync.core.codec import StepDrafts, default_codec, frames_home
 from ppsync.core.groups import strided_layout, token_group_in_layout
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
@@ -67,9 +69,9 @@ from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import CallNames, PreparedStep
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import ConfigError, ProtocolError
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
 
-__all__ = ["PPHandler", "SampledOutputs"]
+__all__ = ["PPHandler", "SampledOutputs", "handler_class"]
 
 T = TypeVar("T")
 
@@ -126,10 +128,13 @@ class PPHandler:
     _view = staticmethod(final_prefill_cap_view)
     """The batch view whose need mask is the release's (need_rules)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("interface") is not None:  # a class that serves one
+            _SERVES[cls.__dict__["interface"]] = cls
+
     def __new__(cls, *args: Any, interface: str | None = None, **kwargs: Any) -> PPHandler:
         if cls.interface is None:  # PPHandler(...) itself: the interface's class
-            # the table imports the subclasses, which import this module
-            from ppsync.compat.vllm.versions import handler_class
             cls = handler_class(resolve_interface(interface))
         return object.__new__(cls)
 
@@ -141,7 +146,7 @@ class PPHandler:
         *,
         group: dist.ProcessGroup | None = None,
         ring_depth: int | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
@@ -309,12 +314,6 @@ class PPHandler:
         assert held is not None
         self._path.send(held, drafts)
 
-    @property
-    def _on_device(self) -> bool:
-        """The token path's codec keeps frames on the device (the one place
-        the adapter asks)."""
-        return self._path.codec.on_device
-
     # -- aux hidden states (rule 7) --------------------------------------------
 
     def configure_aux_hidden_state_relay(self, model: torch.nn.Module | Sequence[str]) -> None:
@@ -376,3 +375,13 @@ class PPHandler:
     def _check_open(self, op: str) -> None:
         if self._path.closed:
             raise ProtocolError(f"{op}() after close()")
+
+
+_SERVES: dict[str, type[PPHandler]] = {}
+"""Each interface's class, by the interface it serves: a class registers
+itself where it is defined (ppsync.compat.vllm imports every one)."""
+
+
+def handler_class(interface: Interface) -> type[PPHandler]:
+    """The class that serves ``interface``."""
+    return _SERVES[interface]

@@ -41,7 +41,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ppsync.compat.vllm.handler import PPHandler
+from ppsync.compat.vllm.handler import PPHandler, handler_class
 from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.compat.vllm.versions import (
     DEFAULT_INTERFACE,
@@ -49,7 +49,6 @@ from ppsync.compat.vllm.versions import (
     INTERFACES,
     Interface,
     Runner,
-    handler_class,
     installed_vllm_version,
     interface_for_version,
     interfaces_from_env,

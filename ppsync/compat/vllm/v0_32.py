@@ -14,7 +14,6 @@ import torch
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_held_batch, other_interface
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
-from ppsync.core.checks import check_draft_table, check_draft_table_meta
 
 
 class PPHandler032(PPHandler):
@@ -68,17 +67,8 @@ class PPHandler032(PPHandler):
             raise other_interface(self.interface, "0.33", "broadcast_drafts(draft_tokens)",
                                   "broadcast_drafts() takes (draft_tokens [max_num_reqs, K], "
                                   "input_batch)")
-        c = self.config
-        if self._on_device:
-            check_draft_table_meta(draft_tokens, max_num_reqs=c.max_num_reqs,
-                                   num_drafts=c.num_speculative_steps, device=self.device)
-        else:
-            table_np = check_draft_table(draft_tokens, max_num_reqs=c.max_num_reqs,
-                                         num_drafts=c.num_speculative_steps)
+        codec = self._path.codec
+        table = codec.check_draft_table(draft_tokens)
         held = self._held_step()
-        check_held_batch(held, input_batch, c.max_num_reqs)
-        if self._on_device:  # gathered on the device (rule 4's rows); the slots are host facts
-            idx = torch.from_numpy(held.facts.idx).to(draft_tokens.device, non_blocking=True)
-            self._send_held(draft_tokens.index_select(0, idx))
-        else:
-            self._send_held(table_np[held.facts.idx])  # [num_reqs, K], owns its memory
+        check_held_batch(held, input_batch, self.config.max_num_reqs)
+        self._send_held(codec.gather_drafts(table, held.facts.idx))

@@ -10,7 +10,7 @@ import torch
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_recv_drafts, other_interface, step_width
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
-from ppsync.core.checks import check_step_drafts, check_width_fits
+from ppsync.core.checks import check_width_fits
 from ppsync.errors import BatchError
 
 
@@ -90,8 +90,4 @@ class PPHandler033(PPHandler):
                                   "broadcast_drafts() takes the drafts [num_reqs, K] only, "
                                   "already gathered")
         held = self._held_step()
-        if self._on_device:  # its shape, dtype and device are checked by the send
-            self._send_held(draft_tokens)
-        else:
-            self._send_held(check_step_drafts(draft_tokens, num_reqs=held.view.num_reqs,
-                                              num_drafts=self.config.num_speculative_steps))
+        self._send_held(self._path.codec.step_drafts(draft_tokens, held.view.num_reqs))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.v0_23 import PPHandler023
 from ppsync.core.liveness import FailureBoard
+from ppsync.schemas.config import DEFAULT_TIMEOUT_S
 
 
 class PPHandler034Cpu(PPHandler023):
@@ -36,7 +37,7 @@ class PPHandler034Cpu(PPHandler023):
         *,
         group: dist.ProcessGroup | None = None,
         ring_depth: int | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,

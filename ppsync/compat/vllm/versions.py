@@ -41,14 +41,11 @@ import importlib.metadata
 import os
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from ppsync.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ppsync.compat.vllm.handler import PPHandler
 
 Interface = Literal["0.23", "0.25", "0.30", "0.32", "0.33", "0.34-cpu"]
 INTERFACES: tuple[Interface, ...] = ("0.23", "0.25", "0.30", "0.32", "0.33", "0.34-cpu")
@@ -184,22 +181,6 @@ def resolve_interface(interface: object) -> Interface:
     found = interface_for_version(version)
     assert found is not None  # every release in the table has a GPU interface
     return found
-
-
-def handler_class(interface: Interface) -> type[PPHandler]:
-    """The class that serves ``interface``: the one table from interface
-    to handler class (each interface's class in its own module)."""
-    from ppsync.compat.vllm.v0_23 import PPHandler023
-    from ppsync.compat.vllm.v0_25 import PPHandler025
-    from ppsync.compat.vllm.v0_30 import PPHandler030
-    from ppsync.compat.vllm.v0_32 import PPHandler032
-    from ppsync.compat.vllm.v0_33 import PPHandler033
-    from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
-
-    classes: dict[Interface, type[PPHandler]] = {
-        "0.23": PPHandler023, "0.25": PPHandler025, "0.30": PPHandler030,
-        "0.32": PPHandler032, "0.33": PPHandler033, "0.34-cpu": PPHandler034Cpu}
-    return classes[interface]
 
 
 def microbatching_off() -> bool:

@@ -36,7 +36,7 @@ class BatchFacts:
     needed: int  # need.sum()
     digest: int = 0
     """The row facts' digest (the frame's idx_digest; see
-    FrameCodec.facts_digest), where a step has a frame: set by the host
+    HostFrames.facts_digest), where a step has a frame: set by the host
     kernels (ppsync.core.host_kernels)."""
 
     @property

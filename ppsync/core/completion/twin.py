@@ -71,10 +71,6 @@ class TwinStats:
     where: list[str] = field(default_factory=list)
     """Where the first unconsumed waits were made (call stacks, at most 3)."""
 
-    def reset(self) -> None:
-        self.engine_waits_unconsumed = self.engine_waits_consumed = self.side_waits = 0
-        self.where.clear()
-
 
 STATS = TwinStats()
 

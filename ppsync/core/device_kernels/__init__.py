@@ -12,56 +12,18 @@ side stream, read the host facts from the step's staging copy on the device
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
-from ppsync.core.frame.device_frames import DeviceFrameCodec
+from ppsync.core.device_kernels.base import TRITON_DEVICES, DeviceKernels, Outputs, interpreting
+from ppsync.core.device_kernels.torch_set import TorchKernels
+from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 
-__all__ = ["DeviceKernels", "Outputs", "device_kernels_for", "interpreting",
-           "resolve_device_kernels", "triton_error"]
-
-TRITON_DEVICES = ("cuda", "xpu")
-"""Devices Triton compiles for; on CPU tensors only its interpreter runs."""
-
-
-@dataclass(slots=True)
-class Outputs:
-    """Where a receiver's release writes one step (allocated by the codec
-    on the engine's main stream; the caller's own)."""
-
-    tokens: torch.Tensor  # [n, w] int64
-    counts: torch.Tensor  # [2, n] int32: num_sampled, then num_rejected
-    idx_mapping: torch.Tensor  # [n] int64, -1 = excluded
-    drafts: torch.Tensor | None  # [n, K] int64, or None: not handed out
-
-
-class DeviceKernels(Protocol):
-    """One kernel set's share of the device codec (current stream)."""
-
-    name: Literal["torch", "triton"]
-
-    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, tokens: torch.Tensor,
-             num_sampled: torch.Tensor, num_rejected: torch.Tensor,
-             drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
-        """Write one step's frame into ``buf`` ([words] int64): tokens with
-        -1 padding to L, counts, drafts (-1 without), the row facts and
-        header from ``stage`` (the staging buffer's device copy), the
-        checksum; FLAG_BAD_VALUES when a count lies outside the staged
-        bounds; ``verdict`` ([1] int64) gets V_NUM_SAMPLED / V_NUM_REJECTED."""
-
-    def release(self, buf: torch.Tensor, stage: torch.Tensor, n: int,
-                expect_drafts: bool | None, out: Outputs, table: torch.Tensor | None,
-                kept: int, verdict: torch.Tensor) -> None:
-        """Check a received frame against ``stage`` (this rank's view) and
-        release it into ``out``; with ``table`` ([R, K]) and drafts handed
-        out, scatter the ``kept`` kept rows' drafts into it when the frame
-        has drafts. ``verdict`` ([1] int64) gets the V_* bits."""
-
+__all__ = ["TRITON_DEVICES", "DeviceKernels", "Outputs", "TorchKernels", "device_kernels_for",
+           "interpreting", "resolve_device_kernels", "triton_error"]
 
 def triton_error() -> str | None:
     """Why the Triton kernels cannot be loaded here, or None when they can."""
@@ -70,11 +32,6 @@ def triton_error() -> str | None:
     except ImportError as e:
         return f"{type(e).__name__}: {e}"
     return None
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def resolve_device_kernels(config: SyncConfig, device: torch.device
@@ -100,10 +57,9 @@ def resolve_device_kernels(config: SyncConfig, device: torch.device
     return "triton"
 
 
-def device_kernels_for(config: SyncConfig, frames: DeviceFrameCodec) -> DeviceKernels:
+def device_kernels_for(config: SyncConfig, frames: DeviceFrames) -> DeviceKernels:
     """The device kernels ``config`` names for ``frames`` (built once)."""
     if resolve_device_kernels(config, frames.device) == "triton":
-        from ppsync.core.device_kernels.triton_set import TritonKernels
+        from ppsync.core.device_kernels.triton_set import TritonKernels  # the optional extra
         return TritonKernels(frames)
-    from ppsync.core.device_kernels.torch_set import TorchKernels
     return TorchKernels(frames)

@@ -14,14 +14,14 @@ from typing import Literal
 
 import torch
 
-from ppsync.core.device_kernels import Outputs
+from ppsync.core.device_kernels.base import Outputs
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,
     V_FRAME,
     V_NUM_REJECTED,
     V_NUM_SAMPLED,
-    DeviceFrameCodec,
+    DeviceFrames,
 )
 from ppsync.core.frame.layout import (
     FLAG_BAD_VALUES,
@@ -39,7 +39,7 @@ class TorchKernels:
 
     name: Literal["torch", "triton"] = "torch"
 
-    def __init__(self, frames: DeviceFrameCodec) -> None:
+    def __init__(self, frames: DeviceFrames) -> None:
         lay = frames.layout
         dev = frames.device
         self.layout = lay

@@ -3,7 +3,7 @@
 
 What the codec around them still asks of torch per step (the staging copy
 to the device, the verdict's copy to the host, a receiver's output tensors)
-is the codec's (ppsync.core.frame.device_codec), the same for both sets.
+is the codec's (ppsync.core.codec.device), the same for both sets.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import triton
 
-from ppsync.core.device_kernels import TRITON_DEVICES, Outputs, interpreting
+from ppsync.core.device_kernels.base import TRITON_DEVICES, Outputs, interpreting
 from ppsync.core.device_kernels.triton_jit import check_release, pack_frame
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
@@ -23,7 +23,7 @@ from ppsync.core.frame.device_frames import (
     V_FRAME,
     V_NUM_REJECTED,
     V_NUM_SAMPLED,
-    DeviceFrameCodec,
+    DeviceFrames,
 )
 from ppsync.core.frame.layout import (
     FLAG_BAD_VALUES,
@@ -59,7 +59,7 @@ class TritonKernels:
 
     name: Literal["torch", "triton"] = "triton"
 
-    def __init__(self, frames: DeviceFrameCodec) -> None:
+    def __init__(self, frames: DeviceFrames) -> None:
         lay = frames.layout
         self.device = frames.device
         self.frame_w = frames.frame_w

@@ -1,12 +1,11 @@
-"""The frame: its layout, and the two codecs that pack and check it.
+"""The frame format: its layout, and its frames on the host and on a device.
 
 - ``layout``: the words, columns, weights, staging regions, version and flags
   (re-exported here);
-- ``host_frames`` / ``device_frames``: frames packed and checked in numpy on
-  the host / in torch ops on a device;
-- ``codec``: the protocol a token path calls (``StepCodec``) and
-  ``codec_for``, which chooses one of its two implementations, once:
-- ``host_codec`` / ``device_codec``.
+- ``host_frames`` / ``device_frames``: ``HostFrames`` / ``DeviceFrames``,
+  frames packed and checked in numpy on the host / in torch ops on a device.
+
+The codecs that use them per step are ppsync.core.codec.
 """
 
 from ppsync.core.frame.layout import (

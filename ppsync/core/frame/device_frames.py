@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ppsync.core.checks import value_error
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import HEADER_WORDS, BufferPool, FrameView, Staging
 from ppsync.errors import BatchError
 from ppsync.schemas.config import SyncConfig
@@ -45,14 +45,14 @@ V_DRAFTS = 16
 """The frame's FLAG_HAS_DRAFTS disagrees with what the receiver expected."""
 
 
-class DeviceFrameCodec:
+class DeviceFrames:
     """The device frames' host side for one configuration: the layout, the
     weights on the device, the staging of a step's host facts, and the error
     path. The per-step device work is a kernel set's
     (ppsync.core.device_kernels: torch ops or Triton), chosen once."""
 
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
-        self.layout = FrameCodec(config)
+        self.layout = HostFrames(config)
         """The host frames: the layout, digests, and the error path."""
         self.device = device
         lay = self.layout

@@ -28,7 +28,7 @@ _HEAD = struct.Struct(f"={_H_CSUM}q")
 """The header words before the checksum, as pack writes them."""
 
 
-class FrameCodec(FrameLayout):
+class HostFrames(FrameLayout):
     """Packs and checks host frames for one configuration."""
 
     def facts_digest(self, facts_np: np.ndarray) -> int:

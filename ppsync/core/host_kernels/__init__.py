@@ -9,14 +9,49 @@ rank-local (frames are the same word for word), so ranks need not agree.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
-from ppsync.core.frame.host_frames import FrameCodec
+import numpy as np
+import torch
+
+from ppsync.core.batch import BatchView
+from ppsync.core.batch.facts import BatchFacts
+from ppsync.core.frame.host_frames import HostFrames
+from ppsync.core.frame.layout import FrameView
 from ppsync.core.host_kernels.numpy_set import NumpyKernels
+from ppsync.core.released import ReleasedStep
+from ppsync.core.steps import PendingStep
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 
-__all__ = ["NumpyKernels", "host_kernels_for", "numba_error", "resolve_host_kernels"]
+__all__ = ["HostKernels", "NumpyKernels", "host_kernels_for", "numba_error",
+           "resolve_host_kernels"]
+
+
+class HostKernels(Protocol):
+    """One kernel set's share of the host codec (and of a step's batch
+    facts, for both codecs)."""
+
+    name: str
+    frames: HostFrames
+
+    def facts(self, view: BatchView) -> BatchFacts:
+        """Check ``view`` and derive its facts, need mask and digest."""
+
+    def sampled(self, sampled_token_ids: object, num_sampled: object, num_rejected: object,
+                *, num_reqs: int, step_width: int | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Check one step's sampler outputs (last rank); their host arrays."""
+
+    def pack(self, buf_np: np.ndarray, frame: FrameView, tokens_np: np.ndarray,
+             ns_np: np.ndarray, nr_np: np.ndarray, drafts_np: np.ndarray | None
+             ) -> tuple[int, int]:
+        """Write one checked step into ``buf_np``; (flags, checksum)."""
+
+    def release(self, head: PendingStep, keep: np.ndarray, kept: int,
+                table: torch.Tensor | None, rank: int) -> ReleasedStep:
+        """Check ``head``'s received frame against this rank's view and
+        read out its rows; kept rows' drafts scattered into ``table``."""
 
 
 def numba_error() -> str | None:
@@ -45,7 +80,7 @@ def resolve_host_kernels(config: SyncConfig) -> Literal["numba", "numpy"]:
     return "numpy"
 
 
-def host_kernels_for(config: SyncConfig, frames: FrameCodec) -> NumpyKernels:
+def host_kernels_for(config: SyncConfig, frames: HostFrames) -> HostKernels:
     """The host kernels ``config`` names, for ``frames`` (compiled or loaded
     from numba's cache here, never inside a step)."""
     if resolve_host_kernels(config) == "numba":

@@ -71,7 +71,7 @@ def batch_facts(idx, computed, scheduled, prefill, max_num_reqs, block, need, fa
         block[0, i] = s
         block[1, i] = 2 * s + nd
         block[2, i] = c
-    # sum((f + 1) * w) over slot_need then computed: see FrameCodec.facts_digest
+    # sum((f + 1) * w) over slot_need then computed: see HostFrames.facts_digest
     digest = facts_w_sums[2 * n]
     for i in range(n):
         digest += block[1, i] * facts_w[i] + block[2, i] * facts_w[n + i]

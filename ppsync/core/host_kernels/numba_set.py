@@ -20,7 +20,7 @@ from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.batch.validate import plain_shapes_ok
 from ppsync.core.checks import sampled_arrays, value_bounds
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION, MAGIC, FrameView, Header
 from ppsync.core.host_kernels import jit
 from ppsync.core.host_kernels.numpy_set import NumpyKernels, scatter_rows
@@ -28,7 +28,7 @@ from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep
 
 _HEAD = struct.Struct(f"={int(Header.CHECKSUM)}q")
-"""The header words before the checksum (the FrameCodec's own packing)."""
+"""The header words before the checksum (the HostFrames's own packing)."""
 _MAGIC = MAGIC | FRAME_FORMAT_VERSION
 _NO_DRAFTS = np.empty((0, 0), dtype=np.int64)  # [0, 0]: no drafts, no table
 
@@ -38,7 +38,7 @@ class NumbaKernels(NumpyKernels):
 
     name = "numba"
 
-    def __init__(self, frames: FrameCodec) -> None:
+    def __init__(self, frames: HostFrames) -> None:
         super().__init__(frames)
         jit.warm()  # first-call setup here, not in the first step
         self._facts_w = frames.facts_w

@@ -1,7 +1,7 @@
 """The reference host kernels: the host codec's per-step work in numpy.
 
 Every rule and every error message of the host path lives in the functions
-these call (ppsync.core.batch, ppsync.core.checks, the FrameCodec); a faster
+these call (ppsync.core.batch, ppsync.core.checks, the HostFrames); a faster
 kernel set (ppsync.core.host_kernels.numba_set) must give the same results
 and, for bad input, run these to raise the same errors.
 """
@@ -14,7 +14,7 @@ import torch
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts, batch_facts
 from ppsync.core.checks import check_sampled
-from ppsync.core.frame.host_frames import FrameCodec, drafts_desync
+from ppsync.core.frame.host_frames import HostFrames, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep
@@ -25,7 +25,7 @@ class NumpyKernels:
 
     name = "numpy"
 
-    def __init__(self, frames: FrameCodec) -> None:
+    def __init__(self, frames: HostFrames) -> None:
         self.frames = frames
 
     def facts(self, view: BatchView) -> BatchFacts:

@@ -29,9 +29,9 @@ from ppsync.core.frame.device_frames import (
     V_FRAME,
     V_NUM_REJECTED,
     V_NUM_SAMPLED,
-    DeviceFrameCodec,
+    DeviceFrames,
 )
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.platform import CudaPlatform, Platform, XpuPlatform, platform_for
 from ppsync.errors import BatchError, ConfigError
 from ppsync.schemas.config import SyncConfig
@@ -49,7 +49,7 @@ def _step(k: int, n: int, w: int, seed: int) -> tuple[FrameView, np.ndarray, np.
     tokens = rng.integers(1 << 61, 1 << 62, (n, w)).astype(np.int64)
     ns = rng.integers(0, w + 1, n).astype(np.int32)
     nr = rng.integers(0, min(k, w - 1) + 1, n).astype(np.int32)  # a width-w step rejects < w
-    codec = FrameCodec(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
+    codec = HostFrames(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
     facts = np.stack([slot_need_words(idx, need), computed.astype(np.int64)])
     view = FrameView(7, n, codec.facts_digest(facts), slot_need_words(idx, need),
                      computed, None if w == k + 1 else w)
@@ -65,7 +65,7 @@ KERNEL_SETS = [
 """The device kernel sets; Triton's run in its interpreter on CPU tensors."""
 
 
-def kernel_set(name: str, dev: DeviceFrameCodec) -> DeviceKernels:
+def kernel_set(name: str, dev: DeviceFrames) -> DeviceKernels:
     config = SyncConfig.build(pp_size=2, max_num_reqs=dev.layout.max_num_reqs,
                               num_speculative_steps=dev.layout.num_drafts,
                               device_kernels=name)
@@ -74,11 +74,11 @@ def kernel_set(name: str, dev: DeviceFrameCodec) -> DeviceKernels:
     return ks
 
 
-def dev_staging(dev: DeviceFrameCodec) -> torch.Tensor:
+def dev_staging(dev: DeviceFrames) -> torch.Tensor:
     return Platform(CPU).host_buffer(dev.layout.staging.words)
 
 
-def pack(ks: DeviceKernels, dev: DeviceFrameCodec, view: FrameView, flags: int,
+def pack(ks: DeviceKernels, dev: DeviceFrames, view: FrameView, flags: int,
          tokens: np.ndarray, ns: np.ndarray, nr: np.ndarray, drafts: np.ndarray | None,
          ) -> tuple[torch.Tensor, int]:
     """(the frame, the verdict) of one step packed by ``ks``."""
@@ -93,7 +93,7 @@ def pack(ks: DeviceKernels, dev: DeviceFrameCodec, view: FrameView, flags: int,
     return buf, int(verdict[0])
 
 
-def release(ks: DeviceKernels, dev: DeviceFrameCodec, buf: torch.Tensor, view: FrameView,
+def release(ks: DeviceKernels, dev: DeviceFrames, buf: torch.Tensor, view: FrameView,
             keep: np.ndarray | None = None, expect: bool | None = None,
             table: torch.Tensor | None = None) -> tuple[int, Outputs]:
     """(the verdict, the outputs) of one received frame checked and released
@@ -127,7 +127,7 @@ def release(ks: DeviceKernels, dev: DeviceFrameCodec, buf: torch.Tensor, view: F
 def test_device_frame_equals_host_frame(kernels: str, k: int, wire: str, with_drafts: bool,
                                         narrow: bool) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k, wire=wire)
-    host, dev = FrameCodec(config), DeviceFrameCodec(config, CPU)
+    host, dev = HostFrames(config), DeviceFrames(config, CPU)
     ks = kernel_set(kernels, dev)
     w = 1 if narrow else k + 1
     view, tokens, ns, nr, drafts = _step(k, 11, w, seed=k * 10 + w)
@@ -171,7 +171,7 @@ def test_bad_values_give_a_verdict_and_flag_the_frame(kernels: str, field: str, 
                                                       bit: int) -> None:
     k = 2
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k)
-    dev = DeviceFrameCodec(config, CPU)
+    dev = DeviceFrames(config, CPU)
     ks = kernel_set(kernels, dev)
     view, tokens, ns, nr, _ = _step(k, 5, k + 1, seed=3)
     (ns if field == "num_sampled" else nr)[2] = value
@@ -188,7 +188,7 @@ def test_bad_values_give_a_verdict_and_flag_the_frame(kernels: str, field: str, 
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
 def test_a_receivers_other_view_is_a_frame_verdict(kernels: str) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=1)
-    dev = DeviceFrameCodec(config, CPU)
+    dev = DeviceFrames(config, CPU)
     ks = kernel_set(kernels, dev)
     view, tokens, ns, nr, _ = _step(1, 4, 2, seed=5)
     buf, _ = pack(ks, dev, view, 0, tokens, ns, nr, None)
@@ -232,7 +232,7 @@ def test_a_failed_check_releases_no_token(kernels: str, dtype: torch.dtype, fail
     call later)."""
     k, n = 2, 6
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k)
-    dev = DeviceFrameCodec(config, CPU)
+    dev = DeviceFrames(config, CPU)
     ks = kernel_set(kernels, dev)
     view, tokens, ns, nr, drafts = _step(k, n, k + 1, seed=9)
     if failure in ("num_sampled", "num_rejected"):
@@ -360,7 +360,7 @@ def test_both_kernel_sets_agree_on_every_frame_release_and_verdict(
     k, n, w, rng = case["k"], case["n"], case["w"], case["rng"]
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k,
                               wire=case["wire"])
-    host, dev = FrameCodec(config), DeviceFrameCodec(config, CPU)
+    host, dev = HostFrames(config), DeviceFrames(config, CPU)
     sets = [kernel_set(name, dev) for name in ("torch", "triton")]
     view, tokens, _, _, drafts = _step(k, n, w, seed=int(rng.integers(1 << 30)))
     ns, nr = case["ns"], case["nr"]

@@ -1,4 +1,4 @@
-"""ppsync.core.frame: FrameCodec pack/check and the idx_mapping digest."""
+"""ppsync.core.frame: HostFrames pack/check and the idx_mapping digest."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from ppsync.core.frame import (
     FrameView,
     slot_need_words,
 )
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.errors import DesyncError
 from ppsync.schemas.config import SyncConfig, WireMode
 
 MAX_NUM_REQS = 6
 
 
-def _codec(k: int = 0, wire: WireMode = "fixed", max_num_reqs: int = MAX_NUM_REQS) -> FrameCodec:
-    return FrameCodec(
+def _codec(k: int = 0, wire: WireMode = "fixed", max_num_reqs: int = MAX_NUM_REQS) -> HostFrames:
+    return HostFrames(
         SyncConfig.build(
             pp_size=2, max_num_reqs=max_num_reqs, num_speculative_steps=k, wire=wire
         )
@@ -50,7 +50,7 @@ def _facts(idx: np.ndarray, need: np.ndarray | None = None,
 
 
 def _step(
-    codec: FrameCodec, *, seq: int = 0, num_reqs: int = 3, w: int | None = None,
+    codec: HostFrames, *, seq: int = 0, num_reqs: int = 3, w: int | None = None,
     drafts: bool = True, seed: int = 0,
 ) -> Step:
     rng = np.random.default_rng(seed)
@@ -71,7 +71,7 @@ def _step(
     )
 
 
-def _pack(codec: FrameCodec, step: Step) -> np.ndarray:
+def _pack(codec: HostFrames, step: Step) -> np.ndarray:
     buf_np = BufferPool(codec).take(step.view.num_reqs).numpy()
     buf_np[:] = 0x7777  # stale bytes: pack must overwrite everything it uses
     codec.pack(buf_np, step.view, step.tokens_np, step.num_sampled_np, step.num_rejected_np,
@@ -205,7 +205,7 @@ def test_unused_rows_of_a_fixed_frame_are_not_checked() -> None:
 # -- check failures ------------------------------------------------------------
 
 
-def _desync(codec: FrameCodec, buf_np: np.ndarray, view: FrameView, match: str) -> DesyncError:
+def _desync(codec: HostFrames, buf_np: np.ndarray, view: FrameView, match: str) -> DesyncError:
     with pytest.raises(DesyncError, match=match) as info:
         codec.check(buf_np, view, rank=2)
     err = info.value

@@ -15,9 +15,14 @@ import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
-from ppsync.core.checks import check_drafts_array, check_step_drafts, check_width_fits
-from ppsync.core.frame.codec import Issue, StepDrafts, Wait
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.checks import (
+    check_draft_table,
+    check_drafts_array,
+    check_step_drafts,
+    check_width_fits,
+)
+from ppsync.core.codec.base import Issue, StepDrafts, Wait
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.host_kernels import host_kernels_for
 from ppsync.core.released import ReleasedStep
@@ -27,13 +32,13 @@ from ppsync.schemas.config import SyncConfig
 
 
 class HostCodec:
-    """The host codec's share of a token path (see ppsync.core.frame.codec)."""
+    """The host codec's share of a token path (see ppsync.core.codec.base)."""
 
     on_device = False
     device_kernels_name = "none"
 
     def __init__(self, config: SyncConfig) -> None:
-        self.frames = FrameCodec(config)
+        self.frames = HostFrames(config)
         self.kernels = host_kernels_for(config, self.frames)
         self.device = torch.device("cpu")
         self.buffers = BufferPool(self.frames)
@@ -60,6 +65,18 @@ class HostCodec:
         check_drafts_array(drafts, num_reqs=num_reqs, num_drafts=self.frames.num_drafts)
         assert isinstance(drafts, np.ndarray)  # checked just above
         return drafts
+
+    def step_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
+        return check_step_drafts(drafts, num_reqs=num_reqs, num_drafts=self.frames.num_drafts)
+
+    def check_draft_table(self, table: object) -> object:
+        return check_draft_table(table, max_num_reqs=self.frames.max_num_reqs,
+                                 num_drafts=self.frames.num_drafts)
+
+    def gather_drafts(self, table: object, idx: np.ndarray) -> StepDrafts:
+        assert isinstance(table, np.ndarray)  # check_draft_table returned it
+        rows: np.ndarray = table[idx]  # [num_reqs, K], owns its memory
+        return rows
 
     def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from ppsync.core.frame.host_codec import HostCodec
+from ppsync.core.codec.host import HostCodec
 from ppsync.core.host_kernels import numba_error
 from ppsync.schemas.config import SyncConfig
 
@@ -36,7 +36,7 @@ def test_without_numba_auto_serves_numpy_and_numba_is_a_config_error() -> None:
     script = textwrap.dedent("""
         import sys
         sys.modules["numba"] = None  # import numba raises ImportError
-        from ppsync.core.frame.host_codec import HostCodec
+        from ppsync.core.codec.host import HostCodec
         from ppsync.errors import ConfigError
         from ppsync.schemas.config import SyncConfig
         cfg = lambda k: SyncConfig.build(pp_size=2, max_num_reqs=4, host_kernels=k)

@@ -1,4 +1,4 @@
-"""ppsync.core.frame.codec: the one choice of a codec, and the rules both
+"""ppsync.core.codec.base: the one choice of a codec, and the rules both
 codecs share, checked through each (the device codec on CPU tensors)."""
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from ppsync.core.batch import BatchView, batch_facts
+from ppsync.core.codec import DeviceCodec, HostCodec, StepCodec, codec_for
 from ppsync.core.completion import HostCompleted, StreamOrdered
-from ppsync.core.frame.codec import StepCodec, codec_for
-from ppsync.core.frame.device_codec import DeviceCodec
-from ppsync.core.frame.host_codec import HostCodec
 from ppsync.core.platform import platform_for
 from ppsync.errors import BatchError, ConfigError
 from ppsync.schemas.config import SyncConfig

@@ -1,5 +1,6 @@
-"""Findings of the review, on real gloo ranks (P = 2: rank 0 receives, rank 1
-is the last rank), each of which passed silently or escaped untyped before:
+"""Ranks that disagree on a batch, and narrow dtypes, on real gloo ranks
+(P = 2: rank 0 receives, rank 1 is the last rank); each case once passed
+silently or escaped untyped:
 
 - ranks that disagree on which rows need a sample (one row's prefill_len):
   the receiver kept the sampler's placeholder as a token, or dropped a real

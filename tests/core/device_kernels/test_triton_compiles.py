@@ -1,7 +1,7 @@
 """The Triton kernels compile for a GPU, here, without one: Triton's
 compiler takes each kernel through TTIR, TTGIR, LLVM IR and PTX to a cubin
 for CUDA sm_90 (an H100 / H200), launched as the Triton set launches it,
-through the kernel's own ``run`` (tests/core/triton_variants.py). The
+through the kernel's own ``run`` (tests/core/device_kernels/triton_variants.py). The
 interpreter (the other tests) runs the kernels' logic; this catches what
 only the compiler checks (types, loop bounds, masks), and counts the
 variants: one per flag combination, all compiled by the set's warm-up."""

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ppsync.core.batch import BatchView
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.host_kernels import NumpyKernels, numba_error
 from ppsync.core.steps import PendingStep
@@ -31,7 +31,7 @@ DTYPES = (np.int64, np.int32)
 def _sets(k: int, wire: str) -> tuple[NumpyKernels, NumpyKernels]:
     from ppsync.core.host_kernels.numba_set import NumbaKernels
 
-    frames = FrameCodec(SyncConfig.build(pp_size=2, max_num_reqs=R, num_speculative_steps=k,
+    frames = HostFrames(SyncConfig.build(pp_size=2, max_num_reqs=R, num_speculative_steps=k,
                                          wire=wire))
     return NumpyKernels(frames), NumbaKernels(frames)
 

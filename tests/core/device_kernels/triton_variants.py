@@ -5,11 +5,11 @@ replaced by one that names device 0 and CUDA sm_90, and every launch goes
 through the kernel's own ``run`` (its binder, specialization key and cache)
 with ``warmup=True``, which compiles on a cache miss and never launches.
 
-``python tests/core/triton_variants.py count``: the distinct keys per flag
+``python tests/core/device_kernels/triton_variants.py count``: the distinct keys per flag
 combination (nothing compiled). ``... compile``: the set's warm-up compiles
 each combination to a cubin (the seconds each took), then every launch must
 hit those variants. Run with TRITON_INTERPRET=0 (used by
-tests/core/test_triton_compiles.py; the figures in docs/measured.md).
+tests/core/device_kernels/test_triton_compiles.py; the figures in docs/measured.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from triton.runtime.driver import driver
 
 from ppsync.core.device_kernels import Outputs
 from ppsync.core.device_kernels.triton_set import TritonKernels
-from ppsync.core.frame.device_frames import DeviceFrameCodec
+from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.schemas.config import SyncConfig
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -132,7 +132,7 @@ def main(mode: str) -> None:
     sets = []
     for k in (0, 3):
         config = SyncConfig.build(pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=k)
-        ks = TritonKernels(DeviceFrameCodec(config, torch.device("cpu")))  # CPU: no warm-up
+        ks = TritonKernels(DeviceFrames(config, torch.device("cpu")))  # CPU: no warm-up
         ks.pack_kernel, ks.release_kernel = NoLaunch(ks.pack_kernel), NoLaunch(ks.release_kernel)
         sets.append(ks)
     if mode == "compile":

@@ -1,13 +1,12 @@
-"""The codec protocol: what a token path asks of its frames' codec, chosen once.
+"""The codec protocol: what a token path asks of its frames' codec, and its types.
 
-Two codecs implement it: the host codec (ppsync.core.frame.host_codec:
+Two codecs implement it: the host codec (ppsync.core.codec.host:
 frames in numpy on the host, every value checked before the send) and the
-device codec (ppsync.core.frame.device_codec: frames in torch ops where the
+device codec (ppsync.core.codec.device: frames in torch ops where the
 engine's tensors live, values checked on the device and their verdicts read
-when the step's event completed). :func:`codec_for` picks one from
-``config.codec``; the token path calls only what is declared here, and a
-caller that needs to know asks the object (``path.codec.on_device``,
-``path.codec.device``). The rules a step's values follow (sample width,
+when the step's event completed). ``ppsync.core.codec.codec_for`` picks one
+from ``config.codec``; the token path and the vLLM adapter call only what is
+declared here and never ask where frames live. The rules a step's values follow (sample width,
 num_sampled, num_rejected) are in ppsync.core.checks, shared by both.
 """
 
@@ -23,9 +22,9 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.completion import Completion
-from ppsync.core.frame.host_frames import FrameCodec
+from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import BufferPool, FrameView
-from ppsync.core.host_kernels import NumpyKernels
+from ppsync.core.host_kernels import HostKernels
 from ppsync.core.platform import Platform
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep, PreparedStep
@@ -52,14 +51,14 @@ class StepCodec(Protocol):
     values are checked there, and a bad one raises one call later."""
     device: torch.device
     """Where the frames and the engine's tensors live (CPU for the host codec)."""
-    frames: FrameCodec
+    frames: HostFrames
     """The host frames: layout, digests, and the checks' error path."""
     buffers: BufferPool
     """Where this codec's frame buffers come from."""
     device_kernels_name: str
     """The device kernels' set ("torch", "triton"; "none": the host codec):
     every rank of a group must have the same (the handshake compares it)."""
-    kernels: NumpyKernels
+    kernels: HostKernels
     """The host kernels (config.host_kernels): a step's batch facts, and
     the host codec's checks, packing and release."""
 
@@ -77,6 +76,21 @@ class StepCodec(Protocol):
 
     def check_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
         """Check drafts handed to send (the last rank): [num_reqs, K]."""
+
+    def step_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
+        """The engine's drafts of one step, [num_reqs, K] already gathered,
+        as this codec sends them (the host codec checks and copies them to
+        the host; the device codec leaves them where they are: the send
+        checks them)."""
+
+    def check_draft_table(self, table: object) -> object:
+        """Check the engine's draft table [max_num_reqs, K] by request slot
+        (a BatchError names what is wrong); the table, as
+        :meth:`gather_drafts` takes it."""
+
+    def gather_drafts(self, table: object, idx: np.ndarray) -> StepDrafts:
+        """The rows ``idx`` (a step's request slots, rule 4) of a table that
+        :meth:`check_draft_table` returned: [num_reqs, K], the caller's own."""
 
     def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
@@ -102,7 +116,6 @@ class StepCodec(Protocol):
         """The path closed: nothing is issued or released any more."""
 
 
-
 def frames_on_device(codec: str) -> bool:
     """Whether frames of the codec named ``codec`` live on the engine's
     device (the device codec) rather than on the host."""
@@ -121,20 +134,6 @@ def frames_home(codec: str, platform: Platform) -> tuple[str, Platform | None]:
     if frames_on_device(codec):
         return platform.backend, platform
     return "gloo", None
-
-
-def codec_for(config: SyncConfig, platform: Platform, *, completion: Completion,
-              backend: str, rank: int, src: int) -> StepCodec:
-    """The codec ``config.codec`` names: the one place the choice is made.
-    ``completion``: the token group's semantics (``backend``: its name)."""
-    # imported here: both implementations import this module's protocol types
-    from ppsync.core.frame.device_codec import DeviceCodec
-    from ppsync.core.frame.host_codec import HostCodec
-
-    check_frames(config, completion, backend)
-    if frames_on_device(config.codec):
-        return DeviceCodec(config, platform, completion=completion, rank=rank, src=src)
-    return HostCodec(config)
 
 
 def check_frames(config: SyncConfig, completion: Completion, backend: str) -> None:

@@ -50,23 +50,24 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.checks import (
+    check_draft_table_meta,
     check_sampled_meta,
     check_step_drafts_meta,
     check_width_fits,
     value_bounds,
 )
+from ppsync.core.codec.base import Issue, StepDrafts, Wait
 from ppsync.core.completion import Completion
 from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for
-from ppsync.core.frame.codec import Issue, StepDrafts, Wait
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,
     V_FRAME,
     V_NUM_REJECTED,
     V_NUM_SAMPLED,
-    DeviceFrameCodec,
+    DeviceFrames,
 )
-from ppsync.core.frame.host_frames import FrameCodec, drafts_desync
+from ppsync.core.frame.host_frames import HostFrames, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView, Header
 from ppsync.core.host_kernels import host_kernels_for
 from ppsync.core.platform import Platform, StepEvent
@@ -102,7 +103,7 @@ class Unread:
 
 
 class DeviceCodec:
-    """The device codec's share of a token path (see ppsync.core.frame.codec)."""
+    """The device codec's share of a token path (see ppsync.core.codec.base)."""
 
     on_device = True
 
@@ -111,13 +112,13 @@ class DeviceCodec:
         self.config = config
         self.platform = platform
         self.device = platform.device
-        self.codec = DeviceFrameCodec(config, platform.device)
-        self.frames: FrameCodec = self.codec.layout
+        self.device_frames = DeviceFrames(config, platform.device)
+        self.frames: HostFrames = self.device_frames.layout
         self.kernels = host_kernels_for(config, self.frames)  # the batch facts, on the host
-        self.device_kernels: DeviceKernels = device_kernels_for(config, self.codec)
+        self.device_kernels: DeviceKernels = device_kernels_for(config, self.device_frames)
         """The frames' per-step device work (config.device_kernels)."""
         self.device_kernels_name: str = self.device_kernels.name
-        self.buffers = self.codec.buffers
+        self.buffers = self.device_frames.buffers
         self.side = platform.new_stream()
         self.completion = completion
         """The token group's semantics: how the side stream is ordered after
@@ -205,6 +206,18 @@ class DeviceCodec:
                                       num_drafts=self.config.num_speculative_steps,
                                       device=self.device)
 
+    def step_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
+        return self.check_drafts(drafts, num_reqs)  # shape, dtype, device: values not read
+
+    def check_draft_table(self, table: object) -> object:
+        return check_draft_table_meta(table, max_num_reqs=self.frames.max_num_reqs,
+                                      num_drafts=self.frames.num_drafts, device=self.device)
+
+    def gather_drafts(self, table: object, idx: np.ndarray) -> StepDrafts:
+        """Gathered on the device (rule 4's rows); the slots are host facts."""
+        assert isinstance(table, torch.Tensor)  # check_draft_table returned it
+        return table.index_select(0, torch.from_numpy(idx).to(table.device, non_blocking=True))
+
     def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
         """Pack and broadcast one step; returns (frame, work, host flags, 0):
@@ -218,7 +231,7 @@ class DeviceCodec:
         stage = self._host()
         flags = lay.flags(drafts is not None)
         w = outputs[0].shape[1]
-        self.codec.stage(stage.np, frame, flags,
+        self.device_frames.stage(stage.np, frame, flags,
                          value_bounds(w, lay.num_drafts, frame.width(lay)))
         # Own what is sent: the frame is packed on the stream that made the
         # sampler's outputs (the current one), before publish returns, so the
@@ -243,7 +256,7 @@ class DeviceCodec:
 
     def _sent_error(self, u: Unread) -> BatchError:
         frame_np = u.buf.cpu().numpy()  # error path only
-        err = self.codec.value_error(frame_np, u.frame.num_reqs, u.tokens_w,
+        err = self.device_frames.value_error(frame_np, u.frame.num_reqs, u.tokens_w,
                                      u.frame.width(self.frames), "")
         return BatchError(f"{err} (found on the device after step seq {u.seq} was sent: "
                           "reported at the next call; every receiver raises on that frame)")
@@ -256,7 +269,7 @@ class DeviceCodec:
         p, lay = self.platform, self.frames
         stage = self._host()
         w = frame.width(lay)  # this rank's view: what the frame must say
-        self.codec.stage(stage.np, frame, 0, value_bounds(w, lay.num_drafts, w))
+        self.device_frames.stage(stage.np, frame, 0, value_bounds(w, lay.num_drafts, w))
         p.wait_stream(self.side, p.current_stream())
         with p.use(self.side):
             buf = self.buffers.take(frame.num_reqs)
@@ -342,7 +355,7 @@ class DeviceCodec:
             prefix = (f"rank {self.rank}: frame seq {j.seq} from the last rank (global rank "
                       f"{self.src}) carries ")
             w = j.frame.width(lay)
-            return self.codec.value_error(frame_np, j.frame.num_reqs, w, w, prefix)
+            return self.device_frames.value_error(frame_np, j.frame.num_reqs, w, w, prefix)
         return DesyncError(f"rank {self.rank}: frame seq {j.seq} fails the device check "
                            f"(verdict {bad})", expected=j.frame.as_dict(lay),
                            received=lay.header_dict(frame_np))

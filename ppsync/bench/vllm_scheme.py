@@ -1,12 +1,12 @@
-"""The seeds' scheme's own per-step host calls, so its own CPU is measured
+"""vLLM's scheme's own per-step host calls, so its own CPU is measured
 the way ppsync's is (everything but the collectives).
 
-The scheme the token path replaces (vLLM's GPU ``PPHandler`` pattern, as
-the project's seed ran it): the last rank pads its sampled tokens to K + 1
+The scheme the token path replaces (vLLM's GPU ``PPHandler`` pattern; see
+ppsync.bench): the last rank pads its sampled tokens to K + 1
 columns, stacks the two counts, gathers its drafts by ``idx_mapping``, then
 broadcasts tokens, counts and drafts; a receiver allocates the three
 receive buffers, receives, unbinds the counts and scatters the drafts into
-its draft table. :class:`SeedsHostOps` makes exactly those calls on a
+its draft table. :class:`VllmHostOps` makes exactly those calls on a
 :class:`FixedStep`; the broadcasts stay with the caller (they are timed
 apart and subtracted, as ppsync's issue and waits are).
 """
@@ -21,8 +21,8 @@ from ppsync.bench.common import FixedStep
 
 
 @dataclass
-class SeedsHostOps:
-    """One role's host calls of the seeds' scheme for one fixed step."""
+class VllmHostOps:
+    """One role's host calls of vLLM's scheme for one fixed step."""
 
     step: FixedStep
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
