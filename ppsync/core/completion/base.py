@@ -84,7 +84,21 @@ class Completion(Protocol):
         """The token group's own timeout for a path whose deadline is ``timeout_s``."""
 
 
-class HostCompleted:
+class _OwnGroup:
+    """A group's own works, broadcasts and platform, as they are (the CPU
+    twin replaces them)."""
+
+    def adopt(self, work: dist.Work) -> dist.Work:
+        return work
+
+    def broadcaster(self, group: dist.ProcessGroup, root: int) -> Broadcaster:
+        return Broadcaster(group, root)
+
+    def platform(self, platform: Platform) -> Platform:
+        return platform
+
+
+class HostCompleted(_OwnGroup):
     """gloo: a work's future completes with the transfer (see the module)."""
 
     name = "host-completed"
@@ -108,21 +122,12 @@ class HostCompleted:
     def abort(self, group: dist.ProcessGroup) -> None:
         """Nothing: gloo ends its works at the group's timeout by itself."""
 
-    def adopt(self, work: dist.Work) -> dist.Work:
-        return work
-
-    def broadcaster(self, group: dist.ProcessGroup, root: int) -> Broadcaster:
-        return Broadcaster(group, root)
-
-    def platform(self, platform: Platform) -> Platform:
-        return platform
-
     def group_timeout_s(self, timeout_s: float) -> float:
         # an abandoned gloo work then ends no later than the path's own deadline
         return timeout_s
 
 
-class StreamOrdered:
+class StreamOrdered(_OwnGroup):
     """NCCL / XCCL: a work's future completes at enqueue (see the module)."""
 
     name = "stream-ordered"
@@ -168,15 +173,6 @@ class StreamOrdered:
         # dumps and messages still name the group)
         with contextlib.suppress(RuntimeError):  # a backend without abort: its watchdog remains
             group.abort()
-
-    def adopt(self, work: dist.Work) -> dist.Work:
-        return work
-
-    def broadcaster(self, group: dist.ProcessGroup, root: int) -> Broadcaster:
-        return Broadcaster(group, root)
-
-    def platform(self, platform: Platform) -> Platform:
-        return platform
 
     def group_timeout_s(self, timeout_s: float) -> float:
         return timeout_s + NCCL_TIMEOUT_MARGIN_S
