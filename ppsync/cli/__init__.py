@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 
 from ppsync.cli.parser import _parser
 from ppsync.core.codec import check_frames
@@ -68,14 +69,20 @@ def _bench(args: argparse.Namespace) -> int:
         check_output_file("--json", args.json)
     report = run_bench(opts)
     print(format_tables(report))
-    if args.json is not None:
-        try:
-            args.json.write_text(report.model_dump_json(indent=2) + "\n")
-        except OSError as e:
-            print(f"ppsync: --json {args.json}: not written: {e.strerror or e}",
-                  file=sys.stderr)
-            return 1
-    return 0
+    return 0 if _write_json("--json", args.json, report) else 1
+
+
+def _write_json(flag: str, path: Path | None, report: BaseModel) -> bool:
+    """Write ``report`` to ``path`` (checked before the run; None: nothing);
+    False, said on stderr, when the write fails after all."""
+    if path is None:
+        return True
+    try:
+        path.write_text(report.model_dump_json(indent=2) + "\n")
+    except OSError as e:
+        print(f"ppsync: {flag} {path}: not written: {e.strerror or e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
@@ -133,13 +140,8 @@ def _check_report_path(args: argparse.Namespace) -> None:
 
 def _finish(args: argparse.Namespace, report: RunReport) -> int:
     print(format_table(report), flush=True)
-    if args.report is not None:
-        try:
-            args.report.write_text(report.model_dump_json(indent=2) + "\n")
-        except OSError as e:
-            print(f"ppsync: --report {args.report}: not written: {e.strerror or e}",
-                  file=sys.stderr)
-            return 1
+    if not _write_json("--report", args.report, report):
+        return 1
     if not report.ok:
         _point_at_dumps(args)
     return 0 if report.ok else 1
