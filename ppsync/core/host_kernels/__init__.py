@@ -60,7 +60,11 @@ def numba_error() -> str | None:
     cache serves every process)."""
     try:
         import ppsync.core.host_kernels.jit  # noqa: F401
-    except ImportError as e:
+    except Exception as e:
+        # numba compiles at import: besides a missing numba, its on-disk
+        # cache can fail to load (seen: a cache written by another numba,
+        # LLVM 22, on one source tree shared by two environments, raised
+        # "LLVM bitcode parsing error" in the other, LLVM 20)
         return f"{type(e).__name__}: {e}"
     return None
 

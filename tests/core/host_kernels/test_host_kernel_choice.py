@@ -30,12 +30,25 @@ def test_auto_and_numba_take_numba_where_it_loads() -> None:
     assert _codec("numba").kernels.name == "numba"
 
 
-def test_without_numba_auto_serves_numpy_and_numba_is_a_config_error() -> None:
-    """A real interpreter where ``import numba`` fails (as on a platform
-    with no numba wheel)."""
-    script = textwrap.dedent("""
-        import sys
-        sys.modules["numba"] = None  # import numba raises ImportError
+BREAKS = {
+    # as on a platform with no numba wheel
+    "no numba": 'sys.modules["numba"] = None  # import numba raises ImportError',
+    # numba compiles at import: a cache it cannot load raises there (seen: a
+    # cache written by another numba on one source tree shared by two venvs)
+    "a cache numba cannot load": (
+        "import numba\n"
+        "def njit(*a, **k):\n"
+        "    raise RuntimeError('LLVM bitcode parsing error')\n"
+        "numba.njit = njit"),
+}
+
+
+@pytest.mark.parametrize("breaks", sorted(BREAKS))
+def test_without_numba_auto_serves_numpy_and_numba_is_a_config_error(breaks: str) -> None:
+    """A real interpreter where loading the numba kernels fails."""
+    if breaks != "no numba" and numba_error() is not None:
+        pytest.skip(f"numba cannot load here: {numba_error()}")
+    script = "import sys\n" + BREAKS[breaks] + textwrap.dedent("""
         from ppsync.core.codec.host import HostCodec
         from ppsync.errors import ConfigError
         from ppsync.schemas.config import SyncConfig
