@@ -74,6 +74,10 @@ def _run_ranks(backend: str, port: int, extra_env: dict[str, str]) -> list[dict[
     return [_fields(out) for out in outs]
 
 
+RANK_LINE = re.compile(r"embed_anyio rank=\d+ [^\n]*?digest=[0-9a-f]{8}")
+"""One rank's line (its last field is the 8-digit digest)."""
+
+
 def _fields(out: str) -> dict[str, str]:
     lines = [line for line in out.splitlines() if line.startswith("embed_anyio ")]
     assert len(lines) == 1, out
@@ -120,6 +124,9 @@ def test_example_runs_under_torchrun_as_the_readme_says() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("embed_anyio "))
+    # the ranks share torchrun's stdout: with unbuffered output (PYTHONUNBUFFERED)
+    # print() writes a line and its newline apart, so two ranks' lines can run
+    # together (seen: "...digest=2eaf1ad3embed_anyio rank=0 ..."): find each
+    lines = sorted(RANK_LINE.findall(proc.stdout))
     assert len(lines) == RANKS, (proc.stdout, proc.stderr[-3000:])  # one line per rank
     _check_delivery([_fields(line) for line in lines], board=True)

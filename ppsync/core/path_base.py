@@ -163,6 +163,7 @@ class PathBase:
                             self.completion)
         self._closed = False
         self._aborted = False  # the group was aborted (stream-ordered: a deadline passed)
+        self._abort_cause: PPSyncError | None = None  # the error that made this path abort
         self._last_issued: tuple[int, dist.Work] | None = None
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
@@ -276,12 +277,18 @@ class PathBase:
         With ``dump`` the error is recorded and, with a dump directory,
         dumped; a note on it names the file (False: a caller that asks
         again once the others posted, and dumps that answer only)."""
-        named = named_failure(err, self.board, rank=self.rank, settle=settle,
-                              observed=observed)
-        if isinstance(named, (SyncTimeout, PeerLost)):
+        cause = self._abort_cause
+        if cause is not None and self.board is None:
+            named = cause  # a wait this path's own abort ended: the error that made it
+        else:
+            # after this path's abort its other waits end with "aborted":
+            # that is no observation of a peer, the board's verdict stands
+            named = named_failure(err, self.board, rank=self.rank, settle=settle,
+                                  observed=observed and cause is None)
+        if cause is None and isinstance(named, (SyncTimeout, PeerLost)):
             # stream-ordered: a transfer that will not end would hold the
             # side stream (and NCCL's kernel) forever
-            self._abort()
+            self._abort(named)
         if dump:
             dump_on_error(self, named)
         return named
@@ -370,8 +377,9 @@ class PathBase:
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
 
-    def _abort(self) -> None:
+    def _abort(self, cause: PPSyncError | None = None) -> None:
         self._aborted = True
+        self._abort_cause = self._abort_cause or cause
         self.completion.abort(self.group)
 
     @property
