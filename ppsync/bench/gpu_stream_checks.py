@@ -1,6 +1,6 @@
 """``make gpu-check``'s checks of stream-ordered completion (f-i, and d's
 async half): what only a GPU shows, since on gloo a work's future completes
-when the transfer does (docs/design.md; README "GPU check").
+when the transfer does (docs/design.md; docs/operations.md, "GPU check").
 
 Each rank function also runs on CPU over gloo with CPU tensors, where its
 logic allows: the tests' dry run (tests/bench/test_gpu_check.py). On CUDA,
