@@ -232,7 +232,7 @@ class DeviceCodec:
         flags = lay.flags(drafts is not None)
         w = outputs[0].shape[1]
         self.device_frames.stage(stage.np, frame, flags,
-                         value_bounds(w, lay.num_drafts, frame.width(lay)))
+                                 value_bounds(w, lay.num_drafts, frame.width(lay)))
         # Own what is sent: the frame is packed on the stream that made the
         # sampler's outputs (the current one), before publish returns, so the
         # engine may write those tensors in place at once; only the frame
@@ -257,7 +257,7 @@ class DeviceCodec:
     def _sent_error(self, u: Unread) -> BatchError:
         frame_np = u.buf.cpu().numpy()  # error path only
         err = self.device_frames.value_error(frame_np, u.frame.num_reqs, u.tokens_w,
-                                     u.frame.width(self.frames), "")
+                                             u.frame.width(self.frames), "")
         return BatchError(f"{err} (found on the device after step seq {u.seq} was sent: "
                           "reported at the next call; every receiver raises on that frame)")
 
