@@ -378,6 +378,8 @@ class PathBase:
                 self.leave(reason or "closed with transfers in flight")
 
     def _abort(self, cause: PPSyncError | None = None) -> None:
+        if not self.completion.stream_ordered:
+            return  # gloo ends its works at the group's timeout; nothing to abort
         self._aborted = True
         self._abort_cause = self._abort_cause or cause
         self.completion.abort(self.group)
