@@ -63,7 +63,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -74,9 +73,9 @@ from ppsync.bench.gpu_stream_checks import (
     check_g,
     check_h,
     check_i,
+    decode_view,
     late_peer_async_rank,
 )
-from ppsync.core.batch import BatchView
 from ppsync.core.device_kernels import triton_error
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
@@ -157,7 +156,7 @@ def _one_rank_nccl(backend: str, env: RankEnv) -> Result:
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
     path = TokenPath(_config(1), group, device=dev)
-    view = _decode_view(4)
+    view = decode_view(4)
     tokens = torch.arange(12, device=dev, dtype=torch.int64).view(4, 3)
     ns = torch.full((4,), 3, dtype=torch.int32, device=dev)
     nr = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -175,15 +174,6 @@ def _one_rank_nccl(backend: str, env: RankEnv) -> Result:
     return {"ok": not deferred and not found, "detail": deferred or "; ".join(found)}
 
 
-def _decode_view(n: int) -> BatchView:
-    return BatchView(
-        num_reqs=n, idx_mapping_np=np.arange(n, dtype=np.int64),
-        num_computed_tokens_np=np.full(n, 10, dtype=np.int64),
-        num_scheduled_tokens_np=np.ones(n, dtype=np.int64),
-        prefill_len_np=np.full(n, 5, dtype=np.int64),
-    )
-
-
 def _timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
     """The fused frame vs one raw broadcast vs vLLM's scheme's three broadcasts,
     interleaved, over NCCL; median µs per step as seen by this rank."""
@@ -196,7 +186,7 @@ def _timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
                               ring_depth=1, timeout_s=TIMEOUT_S, codec="device")
     path = TokenPath(config, nccl, device=dev)
     src = dist.get_global_rank(nccl, P - 1)
-    view = _decode_view(rows)
+    view = decode_view(rows)
     tokens = torch.randint(0, 1 << 20, (rows, L), device=dev)
     ns = torch.full((rows,), L, dtype=torch.int32, device=dev)
     nr = torch.zeros(rows, dtype=torch.int32, device=dev)
@@ -239,7 +229,7 @@ def _late_peer_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
     path = TokenPath(_config(2, ring_depth=1), group, device=dev)
-    view = _decode_view(8)
+    view = decode_view(8)
     if path.is_last:
         time.sleep(late_s)  # the late peer
         tokens = torch.arange(24, device=dev, dtype=torch.int64).view(8, 3)
