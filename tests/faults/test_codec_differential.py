@@ -202,7 +202,8 @@ def _uses(path: TokenPath, variant: dict[str, str]) -> None:
         assert codec.device_kernels_name == variant["device_kernels"]
 
 
-def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
+def variant_path(variant: dict[str, str], k: int) -> tuple[TokenPath, Mode]:
+    """A token path over the world running ``variant`` (its kernels checked)."""
     fields, mode = _split(variant)
     config = SyncConfig.build(pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=k,
                               timeout_s=TIMEOUT_S, **fields)
@@ -210,6 +211,11 @@ def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
     path = TokenPath(config, mode_group(group, mode), board=None)
     _uses(path, fields)
     assert path.completion.stream_ordered == (mode == "twin")
+    return path, mode
+
+
+def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
+    path, mode = variant_path(variant, k)
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64) if k else None
     steps, bads, seen = _schedule(k, seed), _bad_calls(), Seen()
     for t in range(STEPS + 2):

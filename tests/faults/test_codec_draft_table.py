@@ -12,16 +12,11 @@ import functools
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from test_codec_differential import MAX_NUM_REQS, TIMEOUT_S, VARIANTS, _split, _uses, _variants
-from twin_mode import mode_group
+from test_codec_differential import MAX_NUM_REQS, VARIANTS, _variants, variant_path
 
 from ppsync.core.batch import BatchView
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.schemas.config import SyncConfig
 
 RAISE_STEPS, BAD_STEP = 5, 4  # the bad step last: nothing sent after it
 
@@ -36,12 +31,7 @@ def _raising_rank(variant: dict[str, str], case: str, env: RankEnv
     receiver raises at its consume). Receivers return (step, error type or
     None, whether the table was as before) per consume."""
     k = 2
-    fields, mode = _split(variant)
-    config = SyncConfig.build(pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=k,
-                              timeout_s=TIMEOUT_S, **fields)
-    group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-    path = TokenPath(config, mode_group(group, mode), board=None)
-    _uses(path, fields)
+    path, _ = variant_path(variant, k)
     table = torch.arange(MAX_NUM_REQS * k, dtype=torch.int64).reshape(MAX_NUM_REQS, k) - 50
     rng = np.random.default_rng(3)
     seen: list[tuple[int, str | None, bool]] = []
