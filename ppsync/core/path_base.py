@@ -38,6 +38,7 @@ from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.codec import StepCodec, codec_for
 from ppsync.core.completion import Completion, completion_for
+from ppsync.core.completion.base import aborted_error
 from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
@@ -162,8 +163,7 @@ class PathBase:
                             lambda err, observed: self.failed(err, observed=observed),
                             self.completion)
         self._closed = False
-        self._aborted = False  # the group was aborted (stream-ordered: a deadline passed)
-        self._abort_cause: PPSyncError | None = None  # the error that made this path abort
+        self._abort_raised: PPSyncError | None = None  # what this path raised for its abort
         self._last_issued: tuple[int, dist.Work] | None = None
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
@@ -248,6 +248,11 @@ class PathBase:
     def _check_open(self) -> None:
         if self._closed:
             raise ProtocolError(f"rank {self.rank}: token path used after close()")
+        cause = self.completion.cause
+        if cause is not None:  # an aborted group: nothing of it is used again
+            if self._abort_raised is None:  # aborted off this thread (the deadline guard)
+                raise self.failed(cause)
+            raise aborted_error(self._abort_raised, f"rank {self.rank}: token path used")
         if self.handshake is not None:
             raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
                                 "handshake finished (finish_handshake())")
@@ -277,18 +282,20 @@ class PathBase:
         With ``dump`` the error is recorded and, with a dump directory,
         dumped; a note on it names the file (False: a caller that asks
         again once the others posted, and dumps that answer only)."""
-        cause = self._abort_cause
-        if cause is not None and self.board is None:
-            named = cause  # a wait this path's own abort ended: the error that made it
+        told = self._abort_raised
+        if told is not None and self.board is None:
+            named = told  # a wait this path's own abort ended: the error that made it
         else:
-            # after this path's abort its other waits end with "aborted":
-            # that is no observation of a peer, the board's verdict stands
+            # after this path's abort its other waits end with the abort's
+            # cause: that is no observation of a peer, the board's verdict stands
             named = named_failure(err, self.board, rank=self.rank, settle=settle,
-                                  observed=observed and cause is None)
-        if cause is None and isinstance(named, (SyncTimeout, PeerLost)):
+                                  observed=observed and told is None)
+        if told is None and self.completion.stream_ordered and (
+                self.completion.cause is not None or isinstance(named, (SyncTimeout, PeerLost))):
             # stream-ordered: a transfer that will not end would hold the
             # side stream (and NCCL's kernel) forever
             self._abort(named)
+            self._abort_raised = named
         if dump:
             dump_on_error(self, named)
         return named
@@ -353,7 +360,9 @@ class PathBase:
         if self._closed:
             return
         try:
-            if drain:
+            # an aborted group's buffers are never drained nor checked: the
+            # abort's cause was raised already
+            if drain and self.completion.cause is None:
                 for pending in self.ring.pending():
                     self._waits.wait(pending.work,
                                      f"draining receive of frame {pending.frame.seq}")
@@ -367,9 +376,10 @@ class PathBase:
             self.ring.clear()
             self._inflight.clear()
             self._closed = True
-            if abandoned:
-                self._abort()  # stream-ordered: no stream waits on them forever
-            if abandoned or self._aborted:
+            if abandoned:  # stream-ordered: no stream waits on them forever
+                self._abort(ProtocolError(f"rank {self.rank}: the token path was closed with "
+                                          "transfers in flight"))
+            if abandoned or self.completion.cause is not None:
                 # works that an abort ended may still be pending underneath
                 # (the CPU twin's gloo): the group is never destroyed
                 keep_until_exit(self.group)
@@ -377,12 +387,13 @@ class PathBase:
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
 
-    def _abort(self, cause: PPSyncError | None = None) -> None:
-        if not self.completion.stream_ordered:
-            return  # gloo ends its works at the group's timeout; nothing to abort
-        self._aborted = True
-        self._abort_cause = self._abort_cause or cause
-        self.completion.abort(self.group)
+    def _abort(self, cause: PPSyncError) -> None:
+        """Stream-ordered: fail every work of the group with ``cause`` and
+        end the backend's pending transfers (returns at once; see
+        ppsync.core.completion.base). gloo ends its works at the group's
+        timeout: nothing to abort, and a later failure is its own."""
+        if self.completion.stream_ordered:
+            self.completion.abort(self.group, cause)
 
     @property
     def closed(self) -> bool:

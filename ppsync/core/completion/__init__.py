@@ -24,5 +24,5 @@ def completion_for(group: dist.ProcessGroup, backend: str) -> Completion:
     if twin is not None:
         return TwinCompleted(twin)
     if backend in STREAM_ORDERED_BACKENDS:
-        return StreamOrdered()
+        return StreamOrdered(backend)
     return HostCompleted()

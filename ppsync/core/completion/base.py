@@ -13,7 +13,9 @@
   the device codec calls with its side stream current; whether a transfer
   ended is polled (``is_completed()``) against the same deadlines as on gloo;
   and a deadline aborts the group (:meth:`abort`) so no stream spins on a
-  transfer that will never come.
+  transfer that will never come; from then on every work of the group
+  counts as failed with the deadline's error (:attr:`StreamOrdered.cause`),
+  whatever the backend reports after its abort.
 
 The token path, its waits and the async services ask the object; none of
 them asks which one they got.
@@ -22,6 +24,7 @@ them asks which one they got.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Protocol
 
@@ -29,7 +32,7 @@ import torch.distributed as dist
 
 from ppsync.core.platform import Platform
 from ppsync.core.transport import Broadcaster, ended_well, has_ended, translate, wait_work
-from ppsync.errors import SyncTimeout
+from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
 POLL_FIRST_S = 50e-6
 """First pause between two polls of a stream-ordered work's end; it doubles
@@ -47,6 +50,8 @@ class Completion(Protocol):
 
     name: str
     """"host-completed" or "stream-ordered" (as reports and dumps say it)."""
+    cause: PPSyncError | None
+    """Why the group was aborted; None while it was not (always, on gloo)."""
     stream_ordered: bool
     device_only: bool
     """The backend takes device tensors only (the host codec cannot run)."""
@@ -66,9 +71,11 @@ class Completion(Protocol):
         """Order the *current* stream after the transfer (the device codec's
         side stream, once :meth:`wait` returned or the receive is consumed)."""
 
-    def abort(self, group: dist.ProcessGroup) -> None:
-        """A deadline passed with transfers pending: end them, so no stream
-        waits forever (nothing to do where the host waits)."""
+    def abort(self, group: dist.ProcessGroup, cause: PPSyncError) -> None:
+        """A deadline passed with transfers pending (``cause``): every work
+        of the group counts as failed with it from now on, and the backend's
+        pending transfers are ended, so no stream waits forever; returns at
+        once (nothing to do where the host waits)."""
 
     def adopt(self, work: dist.Work) -> dist.Work:
         """A work issued on the group outside the frames (the handshake's),
@@ -102,6 +109,7 @@ class HostCompleted(_OwnGroup):
     """gloo: a work's future completes with the transfer (see the module)."""
 
     name = "host-completed"
+    cause: PPSyncError | None = None
     stream_ordered = False
     device_only = False
 
@@ -119,7 +127,7 @@ class HostCompleted(_OwnGroup):
         # wait makes the current stream wait on gloo's copies; CPU: nothing
         work.get_future().wait()
 
-    def abort(self, group: dist.ProcessGroup) -> None:
+    def abort(self, group: dist.ProcessGroup, cause: PPSyncError) -> None:
         """Nothing: gloo ends its works at the group's timeout by itself."""
 
     def group_timeout_s(self, timeout_s: float) -> float:
@@ -128,26 +136,47 @@ class HostCompleted(_OwnGroup):
 
 
 class StreamOrdered(_OwnGroup):
-    """NCCL / XCCL: a work's future completes at enqueue (see the module)."""
+    """NCCL / XCCL: a work's future completes at enqueue (see the module).
+
+    Its end is ``is_completed()`` only; its failure is never read back from
+    the work: ``Work.exception()`` raises TypeError on the torch releases
+    vLLM ships (before PyTorch PR #184697) and is deprecated after it, and
+    after ``ncclCommAbort`` NCCL reports pending works completed, without an
+    error, their buffers unfilled. So the error that made the path abort is
+    kept here (:attr:`cause`): from then on every work of the group counts as
+    failed with it, and no buffer of the group is read again."""
 
     name = "stream-ordered"
     stream_ordered = True
     device_only = True
 
+    def __init__(self, backend: str = "nccl") -> None:
+        self.backend = backend
+        self.can_abort = backend in ABORTABLE
+        """Whether the backend can abort a communicator (XCCL cannot)."""
+        self.cause: PPSyncError | None = None
+        """The error the group was aborted for (None: not aborted)."""
+        self.aborter: threading.Thread | None = None
+        """The thread that runs the backend's abort (it may block, for ever)."""
+
     def ended(self, work: dist.Work) -> bool:
+        if self.cause is not None:
+            return True  # failed with the cause: nothing of the group is awaited again
         done: bool = work.is_completed()  # the end event's query
         return done
 
     def failure(self, work: dist.Work) -> BaseException | None:
-        """The error an ended work failed with, or None."""
-        try:
-            exc: BaseException | None = work.exception()
-        except RuntimeError as e:  # a backend that answers by raising it
-            return e
-        return exc
+        """The error an ended work failed with, or None: the abort's cause,
+        else what the backend's watchdog reported (``get_future_result()``,
+        where the backend has it). A failure the watchdog has not reported
+        yet reads as none: the frame's own checks (seq, digest, checksum)
+        stand behind it, and NCCL's error handling ends the process."""
+        if self.cause is not None:
+            return self.cause
+        return watchdog_failure(work)
 
     def ended_well(self, work: dist.Work) -> bool:
-        return self.ended(work) and self.failure(work) is None
+        return self.cause is None and self.ended(work) and self.failure(work) is None
 
     def wait(self, work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
         deadline = time.monotonic() + timeout_s
@@ -159,20 +188,79 @@ class StreamOrdered(_OwnGroup):
             time.sleep(min(pause, left))
             pause = min(pause * 2, POLL_MAX_S)
         exc = self.failure(work)
+        if exc is self.cause and exc is not None:
+            raise aborted_error(exc, what)
         if exc is not None:
             raise translate(exc, what=what, timeout_s=timeout_s, peer=peer) from exc
 
     def order_after(self, work: dist.Work) -> None:
         work.wait()  # device-side: the current stream waits; the host does not
 
-    def abort(self, group: dist.ProcessGroup) -> None:
-        # torch 2.13: ProcessGroup.abort() aborts every backend of the group
-        # (ProcessGroupNCCL: ncclCommAbort, pending works end with an error);
-        # distributed_c10d._abort_process_group calls it for a subgroup and
-        # also unregisters the group, which the path does not want (its
-        # dumps and messages still name the group)
-        with contextlib.suppress(RuntimeError):  # a backend without abort: its watchdog remains
+    def abort(self, group: dist.ProcessGroup, cause: PPSyncError) -> None:
+        """Fail every work of the group with ``cause`` at once, and end the
+        backend's pending kernels from a daemon thread (never joined: the
+        backend's abort may block its caller, for ever). XCCL cannot abort:
+        the path is dead, its group is never used again, ``cause`` says so."""
+        if self.cause is not None:
+            return
+        self.cause = cause
+        self._gave_up()
+        if not self.can_abort:
+            cause.add_note(f"{self.backend} cannot abort a communicator: the token group keeps "
+                           "its pending operations and this path is dead; recovering needs "
+                           "a process restart")
+            return
+        self.aborter = threading.Thread(target=self._abort_group, args=(group,),
+                                        name="ppsync-abort", daemon=True)
+        self.aborter.start()
+
+    def _gave_up(self) -> None:
+        """The path gave the group up (the CPU twin's streams stop waiting)."""
+
+    def _abort_group(self, group: dist.ProcessGroup) -> None:
+        # ProcessGroup.abort() aborts every backend of the group
+        # (ProcessGroupNCCL: ncclCommAbort); distributed_c10d's
+        # _abort_process_group also unregisters the group, which the path
+        # does not want (its dumps and messages still name the group)
+        with contextlib.suppress(RuntimeError):  # nothing else to do: the cause stands
             group.abort()
 
     def group_timeout_s(self, timeout_s: float) -> float:
         return timeout_s + NCCL_TIMEOUT_MARGIN_S
+
+
+ABORTABLE = ("nccl",)
+"""Stream-ordered backends that can abort a communicator (XCCL's
+``abortComms`` only logs that it cannot)."""
+
+
+def aborted_error(cause: PPSyncError, what: str) -> PPSyncError:
+    """``cause`` as a later call on an aborted path raises it: its type (and
+    its peer, or its views) with ``what`` in front."""
+    text = f"{what}: the token group was aborted earlier: {cause}"
+    if isinstance(cause, SyncTimeout | PeerLost):
+        return type(cause)(text, peer=cause.peer)
+    if isinstance(cause, DesyncError):
+        return DesyncError(text, expected=cause.expected, received=cause.received)
+    return PeerLost(text)
+
+
+_SUCCESS = 0
+"""``WorkResult.SUCCESS`` (c10d's enum: SUCCESS, TIMEOUT, COMM_ERROR, UNKNOWN)."""
+
+
+def watchdog_failure(work: dist.Work) -> BaseException | None:
+    """What the backend's watchdog reported for ``work``: an error for a
+    result other than success, None where it said success, has not said
+    yet, or has no such result (gloo; torch before it)."""
+    try:
+        fut = getattr(work, "get_future_result")()  # noqa: B009 (not in torch's stubs)
+    except (AttributeError, RuntimeError):
+        return None
+    if not fut.done():
+        return None
+    result = int(fut.value())
+    if result == _SUCCESS:
+        return None
+    return RuntimeError(f"the backend's watchdog reported the collective failed "
+                        f"(WorkResult {result})")

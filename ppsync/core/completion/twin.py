@@ -1,110 +1,148 @@
 """A CPU twin of stream-ordered backends (NCCL, XCCL): gloo ranks whose works
 behave as theirs, with CPU stand-ins for streams and events that record which
-stream waited on what (``ppsync launch/run --emulate nccl``; the suites run
-in this mode too). It exists because NCCL refuses two ranks on one GPU, so
-the GPU machines available for checks cannot run the multi-rank device path
-at all (docs/design.md, "The CPU twin").
+stream waited on what (ppsync.core.completion.twin_streams; ``ppsync
+launch/run --emulate nccl|xccl``; the suites run in this mode too). It
+exists because NCCL refuses two ranks on one GPU, so the GPU machines
+available for checks cannot run the multi-rank device path at all
+(docs/design.md, "The CPU twin").
 
 What it reproduces, as PyTorch's ProcessGroupNCCL / ProcessGroupXCCL behave:
 
 - a work's future is complete at enqueue (:class:`TwinFuture`), so callbacks
   fire at once and ``done()`` says nothing about the transfer;
 - ``Work.wait()`` and ``Future.wait()`` are device-side: the *current* stream
-  waits for the transfer, the host does not (:meth:`TwinStream.wait_work`);
-- ``work.is_completed()`` is the truth (here: gloo's own completion);
+  waits for the transfer, the host does not;
+- ``work.is_completed()`` is the truth (here: gloo's own completion); the
+  rest of ``Work``'s bindings (``exception()`` among them, which raises
+  TypeError on torch before PyTorch PR #184697) are torch's own;
+- ``get_future_result()`` is what NCCL's watchdog reports: a transfer that
+  failed on gloo reads as a communication error;
 - a collective is enqueued on the current stream: the gloo op is issued when
   that stream reaches it (:class:`TwinBroadcaster`);
-- a stream is a FIFO that runs later than the host: a side stream is a
-  thread that runs the torch work handed to it in order, after whatever it
-  waits on (a transfer that never ends hangs it, as a GPU's stream would,
-  until the group is aborted); the engine's main stream is the host thread
-  itself (CPU ops run eagerly), so a wait put on it blocks the host;
-- aborting the group ends every pending work with an error.
-
-And what it counts (:data:`STATS`, per process): every time the engine's
-stream is made to wait on a frame's transfer, split by whether the receive
-was consumed by then. ``engine_waits_unconsumed`` must stay 0: the engine's
-stream waits on step T's transfer only at consume(T), never on a broadcast.
+- NCCL's abort (``ncclCommAbort``) may block its caller, here for
+  ``abort_hang_s`` (for ever: ``inf``); once it returned, every pending work
+  reports completed, without an error, and a pending receive's buffer is
+  left unfilled (here: filled with :data:`POISON`), as NCCL's kernels exit;
+- NCCL's watchdog: a work pending longer than the group's timeout, counted
+  from its post, terminates the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``,
+  torch's default), unless the group was aborted first;
+- XCCL cannot abort (``abortComms`` only logs): its works stay pending.
 """
 
 from __future__ import annotations
 
-import queue
+import math
+import os
+import resource
+import signal
+import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ppsync.core.completion.base import StreamOrdered
+from ppsync.core.completion.twin_streams import (
+    HANG_S,
+    STATS,
+    TwinPlatform,
+    current_stream,
+)
 from ppsync.core.platform import Platform
 from ppsync.core.transport import Broadcaster, has_ended
 from ppsync.errors import ConfigError
 
-EMULATED = ("nccl",)
-"""What ``--emulate`` accepts (XCCL's works behave as NCCL's)."""
+__all__ = ["EMULATED", "POISON", "STATS", "TwinCompleted", "TwinGroup", "TwinWork", "emulate",
+           "twin_of"]
 
-STOP_S = 2.0
-"""Longest a token path's close waits for its stand-in stream's thread to end."""
+EMULATED = ("nccl", "xccl")
+"""What ``--emulate`` accepts."""
 
-HANG_S = 600.0
-"""How long a stand-in stream waits on a transfer before it reports that it
-would hang forever (a GPU's stream would; the twin must end its tests)."""
+POISON = -0x5EB5EB5EB5EB5EB5
+"""What an aborted receive's buffer holds on the twin (NCCL leaves it unfilled)."""
 
-
-@dataclass
-class TwinStats:
-    """What the twin saw in this process."""
-
-    engine_waits_unconsumed: int = 0
-    """The engine's (main) stream made to wait on a frame's transfer before
-    it was consumed, or on a broadcast: must be 0."""
-    engine_waits_consumed: int = 0
-    """... on a received frame at its consume: the expected ones."""
-    side_waits: int = 0
-    """Side-stream waits on transfers (device-side)."""
-    where: list[str] = field(default_factory=list)
-    """Where the first unconsumed waits were made (call stacks, at most 3)."""
-
-
-STATS = TwinStats()
+_COMM_ERROR = 2  # c10d's WorkResult: SUCCESS, TIMEOUT, COMM_ERROR, UNKNOWN
 
 
 class TwinGroup:
-    """A gloo group registered as emulating NCCL."""
+    """A gloo group registered as emulating ``backend``."""
 
-    def __init__(self, group: dist.ProcessGroup, lag_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, backend: str, lag_s: float,
+                 abort_hang_s: float) -> None:
         self.group = group
+        self.backend = backend
         self.lag_s = lag_s
+        self.abort_hang_s = abort_hang_s
+        self.abort_requested = False
+        """A token path gave the group up (its stand-in streams stop waiting)."""
         self.aborted = False
+        """The backend's abort returned: pending works report completed (NCCL)."""
+        self.op_timeout_s: float | None = None
+        """The group's own timeout (its watchdog's), once a path set it."""
+        self.pending: weakref.WeakSet[TwinWork] = weakref.WeakSet()
+        self._watchdog: threading.Thread | None = None
+
+    def posted(self, work: TwinWork) -> None:
+        self.pending.add(work)
+        if self._watchdog is None and self.backend == "nccl":
+            self._watchdog = threading.Thread(target=self._watch, name="ppsync-twin-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def abort_comms(self) -> None:
+        """NCCL's abort, run by the path's abort thread: it may block."""
+        if self.abort_hang_s > 0:
+            threading.Event().wait(None if math.isinf(self.abort_hang_s) else self.abort_hang_s)
+        for work in list(self.pending):
+            if work.buf is not None and not work.root and not work.real_ended():
+                work.buf.fill_(POISON)  # the kernel exited: the data never came
+        self.aborted = True
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            limit = self.op_timeout_s
+            if limit is None or self.aborted:
+                continue
+            now = time.monotonic()
+            for work in list(self.pending):
+                if not work.is_completed() and now - work.posted_at > limit:
+                    self._terminate(work, now - work.posted_at, limit)
+
+    def _terminate(self, work: TwinWork, ran_s: float, limit_s: float) -> None:
+        print(f"[twin of nccl] watchdog caught collective operation timeout: a work "
+              f"ran for {ran_s:.1f} s > the group's timeout {limit_s:.1f} s; "
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING=3: terminating the process", file=sys.stderr,
+              flush=True)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.kill(os.getpid(), signal.SIGABRT)
 
 
 _TWINS: dict[int, TwinGroup] = {}  # id(group) -> its twin; groups live until exit
 
 
-def emulate(group: dist.ProcessGroup, backend: str = "nccl", *, lag_s: float = 0.0) -> None:
+def emulate(group: dist.ProcessGroup, backend: str = "nccl", *, lag_s: float = 0.0,
+            abort_hang_s: float = 0.0) -> None:
     """Make a token path over ``group`` (gloo) judge and order its works as
     ``backend``'s (one of :data:`EMULATED`). ``lag_s``: how far its side
     streams run behind the host (each piece of work starts at least that long
-    after it was handed over), as a device behind a host that queues ahead."""
+    after it was handed over), as a device behind a host that queues ahead.
+    ``abort_hang_s``: how long NCCL's abort blocks (``inf``: for ever)."""
     if backend not in EMULATED:
         raise ConfigError(f"emulate = {backend!r} must be one of {', '.join(EMULATED)}")
     if not 0 <= lag_s < HANG_S:
         raise ConfigError(f"lag_s = {lag_s} must lie in [0, {HANG_S})")
-    _TWINS.setdefault(id(group), TwinGroup(group, lag_s))
+    if not abort_hang_s >= 0:
+        raise ConfigError(f"abort_hang_s = {abort_hang_s} must be >= 0 (inf: for ever)")
+    _TWINS.setdefault(id(group), TwinGroup(group, backend, lag_s, abort_hang_s))
 
 
 def twin_of(group: dist.ProcessGroup) -> TwinGroup | None:
     """The group's twin, if :func:`emulate` registered it."""
     return _TWINS.get(id(group))
-
-
-# -- works ---------------------------------------------------------------------
 
 
 class TwinFuture(torch.futures.Future[Any]):
@@ -124,30 +162,38 @@ class TwinWork(dist.Work):
     """A frame's (or the handshake's) collective as NCCL would report it."""
 
     def __init__(self, twin: TwinGroup, *, frame: bool, root: bool,
-                 real: dist.Work | None = None) -> None:
+                 real: dist.Work | None = None, buf: torch.Tensor | None = None) -> None:
         super().__init__()
         self.twin = twin
         self.frame = frame  # a frame's transfer (the handshake's is not)
         self.root = root  # this rank broadcasts it (else: receives it)
+        self.buf = buf  # what it fills or sends
         self.consumed = False  # a received frame whose consume ordered a stream after it
         self.real = real  # gloo's work, once the stream reached the issue
+        self.posted_at = time.monotonic()  # NCCL's watchdog counts from here
         self._future = TwinFuture(self)
+        twin.posted(self)
+
+    def real_ended(self) -> bool:
+        real = self.real
+        return real is not None and has_ended(real)
 
     def is_completed(self) -> bool:
-        real = self.real
-        return self.twin.aborted or (real is not None and has_ended(real))
+        return self.twin.aborted or self.real_ended()
 
-    def exception(self) -> BaseException | None:
-        real = self.real
-        if real is not None and has_ended(real):
+    def get_future_result(self) -> torch.futures.Future[Any]:
+        """What NCCL's watchdog says of the work: pending, or its result."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        if self.real_ended():
+            assert self.real is not None
             try:
-                real.get_future().value()
-            except RuntimeError as e:
-                return e
-            return None
-        if self.twin.aborted:
-            return RuntimeError("the token group was aborted (connection aborted)")
-        return None
+                self.real.get_future().value()
+                fut.set_result(0)
+            except RuntimeError:
+                fut.set_result(_COMM_ERROR)
+        elif self.twin.aborted:
+            fut.set_result(0)  # after ncclCommAbort: completed, no error
+        return fut
 
     def wait(self, timeout: Any = None) -> bool:
         current_stream().wait_work(self)
@@ -155,204 +201,6 @@ class TwinWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
-
-
-def _until_ended(work: TwinWork, bound_s: float = HANG_S) -> None:
-    """Block this thread until ``work`` ended (polling, releasing the CPU)."""
-    deadline = time.monotonic() + bound_s
-    pause = 50e-6
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"a stream waited {bound_s} s on a transfer that never "
-                               "ended: a GPU's stream would hang here")
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
-
-
-# -- streams and events ----------------------------------------------------------
-
-
-class TwinEvent:
-    """Recorded on a stand-in stream: done once the stream reached it."""
-
-    def __init__(self, stream: TwinStream, works: list[TwinWork]) -> None:
-        self.stream = stream
-        self.works = works  # the frames' transfers the stream was ordered after
-        self._reached = threading.Event()
-
-    def reach(self) -> None:
-        self._reached.set()
-
-    def query(self) -> bool:
-        self.stream.raise_error()
-        return self._reached.is_set()
-
-    def synchronize(self) -> None:
-        if not self._reached.wait(HANG_S):
-            raise RuntimeError("an event was not reached within the twin's hang bound")
-        self.stream.raise_error()
-
-
-class TwinStream:
-    """A stand-in stream: the host itself (``main``) or a FIFO thread."""
-
-    def __init__(self, name: str, *, main: bool, lag_s: float = 0.0) -> None:
-        self.name = name
-        self.main = main
-        self.lag_s = lag_s
-        self.after: list[TwinWork] = []  # frames' transfers it is ordered after (see _order_after)
-        self.error: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[float, Callable[[], None]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        if not main:
-            self._thread = threading.Thread(target=self._run, name=f"ppsync-twin-{name}",
-                                            daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            due, fn = self._queue.get()
-            if fn is _STOP:
-                return
-            if (wait_s := due - time.monotonic()) > 0:
-                time.sleep(wait_s)
-            try:
-                fn()
-            except Exception as e:  # sticky, as a device error is
-                if self.error is None:
-                    self.error = e
-
-    def stop(self) -> None:
-        """End the stream's thread once it ran what it was handed (a token
-        path's close; a transfer it still waits on ends at the group's abort)."""
-        if self._thread is not None:
-            self._queue.put((0.0, _STOP))
-            self._thread.join(STOP_S)
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"twin stream {self.name}: {self.error}") from self.error
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` when the stream reaches it (the main stream: now)."""
-        if self.main:
-            fn()
-        else:
-            self._queue.put((time.monotonic() + self.lag_s, fn))
-
-    def wait_work(self, work: TwinWork) -> None:
-        """The stream waits (device-side) for ``work``'s transfer."""
-        if self.main:
-            self._engine_waits([work])
-        else:
-            STATS.side_waits += 1
-            if work.frame and not work.root:
-                work.consumed = True  # only a consume orders a side stream after a receive
-        if work.frame and work not in self.after:
-            self.after.append(work)  # reaches the next event, ended or not
-        self.submit(lambda: _until_ended(work))
-
-    def record_event(self) -> TwinEvent:
-        event = TwinEvent(self, list(self.after))
-        self.after = [w for w in self.after if not w.is_completed()]
-        self.submit(event.reach)
-        return event
-
-    def wait_event(self, event: TwinEvent) -> None:
-        if self.main:
-            self._engine_waits(event.works)
-        self._order_after(event.works)
-        self.submit(lambda: _reached(event))
-
-    def wait_stream(self, other: TwinStream) -> None:
-        if other is not self:
-            self.wait_event(other.record_event())
-
-    def _order_after(self, works: list[TwinWork]) -> None:
-        """Inherit, from an event, the frames' transfers not ended yet: each
-        reaches the next event recorded on this stream (what a stream waiting
-        on that event inherits in turn)."""
-        self.after += [w for w in works if not w.is_completed() and w not in self.after]
-
-    def _engine_waits(self, works: list[TwinWork]) -> None:
-        for w in works:
-            if not w.frame:
-                continue
-            if w.consumed:
-                STATS.engine_waits_consumed += 1
-                continue
-            STATS.engine_waits_unconsumed += 1
-            if len(STATS.where) < 3:
-                STATS.where.append("".join(traceback.format_stack(limit=8)[:-2]))
-
-
-def _STOP() -> None:
-    """Queued by :meth:`TwinStream.stop`: the thread returns."""
-
-
-def _reached(event: TwinEvent) -> None:
-    if not event._reached.wait(HANG_S):
-        raise RuntimeError("a stream waited on an event that was never reached")
-
-
-MAIN = TwinStream("main", main=True)
-"""The engine's stream: the host thread (CPU ops run eagerly)."""
-
-_local = threading.local()
-
-
-def current_stream() -> TwinStream:
-    """The stand-in stream current on this thread (the main one by default)."""
-    stream: TwinStream = getattr(_local, "stream", MAIN)
-    return stream
-
-
-@contextmanager
-def _using(stream: TwinStream) -> Iterator[TwinStream]:
-    before = current_stream()
-    _local.stream = stream
-    try:
-        yield stream
-    finally:
-        _local.stream = before
-
-
-class TwinPlatform(Platform):
-    """The CPU platform with stand-in streams and events (see the module);
-    side streams run ``lag_s`` behind the host."""
-
-    def __init__(self, device: torch.device, lag_s: float = 0.0) -> None:
-        super().__init__(device)
-        self.lag_s = lag_s
-
-    @property
-    def has_streams(self) -> bool:
-        return True
-
-    def current_stream(self) -> TwinStream:
-        return current_stream()
-
-    def new_stream(self) -> TwinStream:
-        return TwinStream("side", main=False, lag_s=self.lag_s)
-
-    def use(self, stream: Any) -> Any:
-        return _using(stream)
-
-    def wait_stream(self, waiter: Any, waitee: Any) -> None:
-        waiter.wait_stream(waitee)
-
-    def record_event(self, stream: Any) -> TwinEvent:
-        event: TwinEvent = stream.record_event()
-        return event
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
-        stream.submit(fn)
-
-    def close_stream(self, stream: Any) -> None:
-        stream.stop()
 
 
 class TwinBroadcaster(Broadcaster):
@@ -364,7 +212,7 @@ class TwinBroadcaster(Broadcaster):
         self.root = twin.group.rank() == root
 
     def issue(self, buf: torch.Tensor) -> dist.Work:
-        work = TwinWork(self.twin, frame=True, root=self.root)
+        work = TwinWork(self.twin, frame=True, root=self.root, buf=buf)
 
         def issue_now() -> None:
             work.real = self.group.broadcast([buf], self.options)
@@ -374,15 +222,18 @@ class TwinBroadcaster(Broadcaster):
 
 
 class TwinCompleted(StreamOrdered):
-    """Stream-ordered semantics over a twin group."""
-
-    name = "stream-ordered (twin of nccl)"
+    """Stream-ordered semantics over a twin group (NCCL's or XCCL's)."""
 
     def __init__(self, twin: TwinGroup) -> None:
+        super().__init__(twin.backend)
         self.twin = twin
+        self.name = f"stream-ordered (twin of {twin.backend})"
 
-    def abort(self, group: dist.ProcessGroup) -> None:
-        self.twin.aborted = True
+    def _abort_group(self, group: dist.ProcessGroup) -> None:
+        self.twin.abort_comms()
+
+    def _gave_up(self) -> None:
+        self.twin.abort_requested = True
 
     def adopt(self, work: dist.Work) -> dist.Work:
         return TwinWork(self.twin, frame=False, root=False, real=work)
@@ -392,6 +243,11 @@ class TwinCompleted(StreamOrdered):
 
     def platform(self, platform: Platform) -> Platform:
         if platform.device.type != "cpu":
-            raise ConfigError(f"emulate = 'nccl' runs on CPU tensors; device = "
+            raise ConfigError(f"emulate = {self.twin.backend!r} runs on CPU tensors; device = "
                               f"{platform.device} (on a GPU use the real backend)")
         return TwinPlatform(platform.device, self.twin.lag_s)
+
+    def group_timeout_s(self, timeout_s: float) -> float:
+        op_timeout_s = super().group_timeout_s(timeout_s)
+        self.twin.op_timeout_s = op_timeout_s
+        return op_timeout_s

@@ -11,9 +11,12 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.completion import STATS, completion_for, emulate
-from ppsync.core.completion.twin import MAIN, TwinPlatform, TwinWork
+from ppsync.core.completion.base import StreamOrdered
+from ppsync.core.completion.twin import POISON, TwinWork
+from ppsync.core.completion.twin_streams import MAIN, TwinPlatform
 from ppsync.core.groups import token_group
 from ppsync.core.teardown import keep_until_exit
+from ppsync.errors import SyncTimeout
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 TIMEOUT_S = 10.0
@@ -56,15 +59,27 @@ def _twin_rank(env: RankEnv) -> dict[str, object]:
     work.get_future().wait()
     seen["main_wait"] = (STATS.engine_waits_unconsumed - before, work.is_completed(),
                          bufs[1].tolist(), MAIN.main)
-    # 4. abort: a receive that will never end ends with an error, and a stream
-    #    ordered after it moves on
+    # 4. abort: as NCCL reports it, a receive that will never end then reads
+    #    completed, without an error, its buffer unfilled (poisoned here);
+    #    ppsync's semantics count it failed with the abort's cause
     work = issue(bufs[2])
     with p.use(side):
         work.wait()
         event = p.record_event(side)
-    ends.abort(group)
+    assert isinstance(ends, StreamOrdered)
+    ends.abort(group, SyncTimeout("rank 0: receive: no completion", peer=1))
+    assert ends.aborter is not None
+    ends.aborter.join(TIMEOUT_S)
     event.synchronize()
-    seen["aborted"] = (work.is_completed(), str(work.exception()), event.query())
+    assert isinstance(work, TwinWork)
+    result = work.get_future_result()
+    seen["nccl_after_abort"] = (work.is_completed(), result.done() and result.value(),
+                                bufs[2].tolist() == [POISON] * 4, event.query())
+    try:
+        ends.wait(work, timeout_s=TIMEOUT_S, what="receive", peer=None)
+        seen["ppsync_after_abort"] = ("no error", ends.ended_well(work))
+    except SyncTimeout as e:
+        seen["ppsync_after_abort"] = (str(e), ends.ended_well(work))
     keep_until_exit(group)  # gloo's own receive stays pending until exit
     return seen
 
@@ -76,6 +91,8 @@ def test_the_twin_behaves_as_nccl_reports_its_works() -> None:
     assert seen["before_end"] == ([], False)  # the side stream had not run its work
     assert seen["after_end"] == ([7, 7, 7, 7], True)  # ... it read the data, after the end
     assert seen["main_wait"] == (1, True, [8, 8, 8, 8], True)
-    aborted = seen["aborted"]
-    assert isinstance(aborted, tuple)
-    assert aborted[0] and aborted[2] and "aborted" in aborted[1]
+    # NCCL after ncclCommAbort: completed, success, the buffer never filled
+    assert seen["nccl_after_abort"] == (True, 0, True, True)
+    after = seen["ppsync_after_abort"]
+    assert isinstance(after, tuple)
+    assert "aborted earlier" in after[0] and "no completion" in after[0] and not after[1]
