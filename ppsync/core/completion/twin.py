@@ -31,6 +31,7 @@ What it reproduces, as PyTorch's ProcessGroupNCCL / ProcessGroupXCCL behave:
 
 from __future__ import annotations
 
+import _thread
 import math
 import os
 import resource
@@ -83,14 +84,17 @@ class TwinGroup:
         self.op_timeout_s: float | None = None
         """The group's own timeout (its watchdog's), once a path set it."""
         self.pending: weakref.WeakSet[TwinWork] = weakref.WeakSet()
-        self._watchdog: threading.Thread | None = None
+        self._watching = False
+        self._lock = threading.Lock()
 
     def posted(self, work: TwinWork) -> None:
-        self.pending.add(work)
-        if self._watchdog is None and self.backend == "nccl":
-            self._watchdog = threading.Thread(target=self._watch, name="ppsync-twin-watchdog",
-                                              daemon=True)
-            self._watchdog.start()
+        with self._lock:
+            self.pending.add(work)
+            if not self._watching and self.backend == "nccl":
+                # a bare thread, as NCCL's watchdog is the backend's, not one
+                # of Python's threads (the suites count those)
+                self._watching = True
+                _thread.start_new_thread(self._watch, ())
 
     def abort_comms(self) -> None:
         """NCCL's abort, run by the path's abort thread: it may block."""
@@ -102,14 +106,20 @@ class TwinGroup:
         self.aborted = True
 
     def _watch(self) -> None:
+        """NCCL's watchdog thread, while works are pending (it ends with the
+        last, so a process's threads settle as they do on NCCL)."""
         while True:
             time.sleep(0.2)
-            limit = self.op_timeout_s
-            if limit is None or self.aborted:
-                continue
-            now = time.monotonic()
+            now, limit = time.monotonic(), self.op_timeout_s
+            with self._lock:
+                for work in list(self.pending):
+                    if work.is_completed():
+                        self.pending.discard(work)
+                if not self.pending:
+                    self._watching = False
+                    return
             for work in list(self.pending):
-                if not work.is_completed() and now - work.posted_at > limit:
+                if limit is not None and now - work.posted_at > limit:
                     self._terminate(work, now - work.posted_at, limit)
 
     def _terminate(self, work: TwinWork, ran_s: float, limit_s: float) -> None:
