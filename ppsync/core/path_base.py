@@ -24,11 +24,10 @@ which codec it has.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.ring import SlotRing
-from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, role_error
 from ppsync.core.teardown import bound_group_timeout, keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock
 from ppsync.core.waits import InFlight, Waits, named_failure
@@ -59,35 +58,11 @@ from ppsync.errors import (
     PeerLost,
     PPSyncError,
     ProtocolError,
-    RoleError,
     SyncTimeout,
 )
 from ppsync.schemas.config import SyncConfig
 
 T = TypeVar("T")
-R = TypeVar("R")
-S = TypeVar("S")
-P = ParamSpec("P")
-
-
-def takes_args_of(
-    of: Callable[Concatenate[Any, P], object],
-) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
-    """Type a method that forwards its arguments as taking those of ``of``
-    (a method too): one signature, written once, for the calls that pass
-    it on (publish: TokenPath.prepare's, through the services)."""
-    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
-        method.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
-        return method
-    return typed
-
-
-def role_error(op: str, *, rank: int, pp_size: int, last: bool) -> RoleError:
-    """``op()`` belongs to the last rank (``last``) or to the others, and
-    group ``rank`` of ``pp_size`` is not such a rank."""
-    who = "the last rank" if last else "a non-last rank"
-    return RoleError(f"{op}() belongs to {who}; group rank {rank} of pp_size {pp_size} is "
-                     f"{'not the last' if last else 'the last'} rank")
 
 
 class PathBase:

@@ -184,6 +184,9 @@ class TwinWork(dist.Work):
         self._future = TwinFuture(self)
         twin.posted(self)
 
+    def given_up(self) -> bool:
+        return self.twin.abort_requested
+
     def real_ended(self) -> bool:
         real = self.real
         return real is not None and has_ended(real)
