@@ -48,7 +48,7 @@ from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.ring import SlotRing
 from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, role_error
-from ppsync.core.teardown import bound_group_timeout, keep_until_exit
+from ppsync.core.teardown import keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock
 from ppsync.core.waits import InFlight, Waits, named_failure
 from ppsync.errors import (
@@ -104,13 +104,13 @@ class PathBase:
         self.completion: Completion = completion_for(group, backend)
         """What the group's works mean (host-completed: gloo; stream-ordered:
         NCCL, XCCL, the CPU twin): every wait and stream order asks it."""
-        bound_group_timeout(group, self.completion.group_timeout_s(config.timeout_s))
         self.transport: Broadcaster = self.completion.broadcaster(group, config.pp_size - 1)
         """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
         may put a loopback in its place (ppsync.bench.loopback)."""
         self.platform = self.completion.platform(
             platform if isinstance(platform, Platform) else platform_for(device, platform))
         self.backend = backend
+        self.completion.bind(group, config.timeout_s, self.platform)
         # chosen before the handshake: a codec the backend cannot carry raises
         # before anything is issued
         self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
@@ -172,13 +172,14 @@ class PathBase:
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         clock = self._waits.clock
-        if clock is None:
-            return self.transport.issue(buf)
-        t0 = time.thread_time_ns()
-        try:
-            return self.transport.issue(buf)
-        finally:
+        t0 = 0 if clock is None else time.thread_time_ns()
+        work = self.transport.issue(buf)
+        if clock is not None:
             clock.issue_ns += time.thread_time_ns() - t0
+        if self.completion.stream_ordered:  # bounded from its post (completion.guard)
+            what = "send" if self.is_last else "receive"
+            self.completion.issued(work, f"rank {self.rank}: {what} of frame {self.seq}")
+        return work
 
     # -- the async contract (see the module docstring) -------------------
 
@@ -359,6 +360,7 @@ class PathBase:
                 # (the CPU twin's gloo): the group is never destroyed
                 keep_until_exit(self.group)
             self.codec.close()
+            self.completion.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
 
