@@ -182,12 +182,10 @@ class StreamOrdered(_OwnGroup):
         """The thread that runs the backend's abort (it may block, for ever)."""
         self.guard: DeadlineGuard | None = None
         """Bounds each transfer from its post (set by :meth:`bind`)."""
-        self._group: dist.ProcessGroup | None = None
 
     def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
         op_timeout_s = self.group_timeout_s(timeout_s)
         bound_group_timeout(group, op_timeout_s)
-        self._group = group
 
         def overdue(error: SyncTimeout) -> None:
             error.add_note(f"ppsync bounds a transfer from its post and failed the token "
