@@ -1,4 +1,4 @@
-"""The ``ppsync`` command (also ``python -m ppsync``).
+"""What the ``ppsync`` command does once its arguments are parsed.
 
 ``ppsync run`` is one rank, placed in the world by torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ``ppsync launch``
@@ -15,14 +15,12 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from ppsync.cli.parser import _parser
 from ppsync.core.codec import check_frames
 from ppsync.core.completion import StreamOrdered
 from ppsync.core.device_kernels import resolve_device_kernels
@@ -240,8 +238,8 @@ def _who(args: argparse.Namespace) -> str:
     return f"rank {rank}: " if rank is not None else ""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit status."""
     code = _dispatch(args)
     if dist.is_initialized():
         # this process joined a gloo world (`run`): after a failed collective
@@ -251,7 +249,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

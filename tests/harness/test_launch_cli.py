@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import ppsync.cli
+import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.harness.driver import Backend
@@ -138,7 +138,7 @@ def _report(**faults: int) -> RunReport:
 def test_faults_exit_1_with_faults_verdict(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(ppsync.cli, "run_local", lambda *a, **k: _report(stale=1))
+    monkeypatch.setattr(ppsync.cli.commands, "run_local", lambda *a, **k: _report(stale=1))
     assert main(["launch", "--pp-size", "2", "--steps", "10"]) == 1
     out = capsys.readouterr().out
     assert out.rstrip().endswith("-> FAULTS")
@@ -151,7 +151,7 @@ def test_a_failed_rank_exits_1_naming_the_error(
     def fail(*args: object, **kwargs: object) -> RunReport:
         raise RankFailed("1 of 2 ranks failed; rank 0: boom", {0: "boom"})
 
-    monkeypatch.setattr(ppsync.cli, "run_local", fail)
+    monkeypatch.setattr(ppsync.cli.commands, "run_local", fail)
     assert main(["launch", "--pp-size", "2", "--steps", "10"]) == 1
     assert re.search(r"^ppsync: RankFailed: 1 of 2 ranks failed", capsys.readouterr().err)
 
