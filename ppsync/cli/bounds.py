@@ -38,7 +38,7 @@ def field_bounds(model: type[BaseModel], name: str) -> tuple[float | None, bool,
 
 def _rule(low: float | None, low_in: bool, high: float | None, high_in: bool) -> str:
     def g(v: float) -> str:
-        return f"{v:g}"
+        return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
     if low is not None and high is not None:
         return f"in {'[' if low_in else '('}{g(low)}, {g(high)}{']' if high_in else ')'}"

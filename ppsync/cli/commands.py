@@ -12,9 +12,12 @@ failed), 2 on bad arguments or environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ from ppsync.core.groups import pipeline_layout
 from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.debug.cli import dump_files, point_at_dumps
 from ppsync.debug.paths import check_output_file
-from ppsync.errors import ConfigError, PPSyncError, Stopped
+from ppsync.errors import ConfigError, PPSyncError
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
@@ -57,12 +60,13 @@ def _bench(args: argparse.Namespace) -> int:
     from ppsync.bench.runner import BenchOptions, format_tables, run_bench
 
     iters = args.iters or (200 if args.hidden else 2000)
-    opts = BenchOptions.build(
-        pp_size=args.pp_size, rows=args.rows, spec=args.spec, iters=iters,
-        pipelined_iters=args.pipelined_iters or max(1, iters // 2),
-        compute_us=args.compute_us, warmup=args.warmup, hidden=args.hidden,
-        max_num_reqs=args.max_num_reqs, timeout_s=args.timeout,
-    )
+    with flags_named(BENCH_FLAGS):
+        opts = BenchOptions.build(
+            pp_size=args.pp_size, rows=args.rows, spec=args.spec, iters=iters,
+            pipelined_iters=args.pipelined_iters or max(1, iters // 2),
+            compute_us=args.compute_us, warmup=args.warmup, hidden=args.hidden,
+            max_num_reqs=args.max_num_reqs, timeout_s=args.timeout,
+        )
     if args.json is not None:
         check_output_file("--json", args.json)
     report = run_bench(opts)
@@ -83,19 +87,47 @@ def _write_json(flag: str, path: Path | None, report: BaseModel) -> bool:
     return True
 
 
+SYNC_FLAGS = {"pp_size": "--pp-size", "max_num_reqs": "--max-num-reqs",
+              "num_speculative_steps": "--spec", "ring_depth": "--ring-depth",
+              "timeout_s": "--timeout", "wire": "--wire", "codec": "--codec",
+              "device_kernels": "--device-kernels", "host_kernels": "--host-kernels",
+              "flight_events": "--flight-events"}
+"""SyncConfig's fields -> the flags that set them (what an error names)."""
+BENCH_FLAGS = {"pp_size": "--pp-size", "rows": "--rows", "spec": "--spec",
+               "iters": "--iters", "pipelined_iters": "--pipelined-iters",
+               "compute_us": "--compute-us", "warmup": "--warmup", "hidden": "--hidden",
+               "max_num_reqs": "--max-num-reqs", "timeout_s": "--timeout"}
+"""BenchOptions' fields -> the flags that set them."""
+
+
+@contextlib.contextmanager
+def flags_named(flags: dict[str, str]) -> Iterator[None]:
+    """A model's ConfigError (a rule across fields: the bounds of one are
+    checked at parsing) in the command line's words: the flags, not the
+    model and its fields (``--ring-depth = 3 exceeds --pp-size = 2``)."""
+    try:
+        yield
+    except ConfigError as e:
+        text = re.sub(r"^invalid \w+: ", "", str(e))
+        for name, flag in sorted(flags.items(), key=lambda kv: -len(kv[0])):
+            text = re.sub(rf"\b{name}\b", flag, text)
+        raise ConfigError(text) from None
+
+
 def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
-    config = SyncConfig.build(
-        pp_size=pp_size,
-        max_num_reqs=args.max_num_reqs,
-        num_speculative_steps=args.spec,
-        ring_depth=args.ring_depth,
-        timeout_s=args.timeout,
-        wire=args.wire,
-        codec=args.codec,
-        device_kernels=args.device_kernels,
-        host_kernels=args.host_kernels,
-        flight_events=args.flight_events,
-    )
+    with flags_named(SYNC_FLAGS):
+        config = SyncConfig.build(
+            pp_size=pp_size,
+            max_num_reqs=args.max_num_reqs,
+            num_speculative_steps=args.spec,
+            ring_depth=args.ring_depth,
+            timeout_s=args.timeout,
+            wire=args.wire,
+            codec=args.codec,
+            device_kernels=args.device_kernels,
+            host_kernels=args.host_kernels,
+            flight_events=args.flight_events,
+        )
     if args.emulate is not None:  # before any rank starts
         check_frames(config, StreamOrdered(), f"gloo emulating {args.emulate}")
     # a kernel set named outright that cannot run here: a bad argument (exit 2)
@@ -138,6 +170,10 @@ def _check_report_path(args: argparse.Namespace) -> None:
 
 def _finish(args: argparse.Namespace, report: RunReport) -> int:
     print(format_table(report), flush=True)
+    if report.ended is not None:
+        stopped = report.ended.removeprefix("Stopped: ")
+        print(f"ppsync: launch {stopped}" if stopped != report.ended
+              else f"ppsync: {report.ended}", file=sys.stderr, flush=True)
     if not _write_json("--report", args.report, report):
         return 1
     if not report.ok:
@@ -148,19 +184,17 @@ def _finish(args: argparse.Namespace, report: RunReport) -> int:
 def _launch(args: argparse.Namespace) -> int:
     config = _config(args, args.pp_size)
     _check_report_path(args)
-    dump_dir = _prepare_dumps(args)
+    _prepare_dumps(args)
     try:
+        # a run that fails or is ended still reports what was checked (INCOMPLETE)
         report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
                            jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
                            world_size=args.world_size,
                            progress_s=None if args.quiet else args.progress_every,
-                           dump_dir=dump_dir, emulate=args.emulate)
+                           dump_dir=_dump_dir(args), emulate=args.emulate,
+                           keep_partial=True, stacks=args.stacks)
     except ConfigError:
         raise
-    except Stopped as e:
-        print(f"ppsync: launch {e}", file=sys.stderr, flush=True)
-        point_at_dumps(dump_dir)
-        return 1
     except PPSyncError as e:  # the dumps' pointers are the last lines
         print(f"ppsync: {type(e).__name__}: {e}", file=sys.stderr)
         _point_at_dumps(args)

@@ -167,6 +167,8 @@ def _parser() -> argparse.ArgumentParser:
                     "nothing to check)"), required=True, help="ranks P per PP group")
     la.add_argument("--world-size", type=_positive, default=None,
                     help="ranks in all (default pp_size; a multiple: tensor x pipeline)")
+    la.add_argument("--stacks", action="store_true",
+                    help="a rank ended as stuck prints every thread's stack first (to stderr)")
     _workload_flags(la)
     ru = sub.add_parser("run", help="one rank from torchrun's environment (RANK, WORLD_SIZE, "
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 prints the table")

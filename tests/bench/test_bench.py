@@ -107,9 +107,14 @@ def test_cli_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert exc.value.code == 2
     assert "ROWSxHIDDEN" in capsys.readouterr().err
     assert main(["bench", "--rows", "8", "--max-num-reqs", "4"]) == 2
-    assert "max_num_reqs = 4 must be >= rows = 8" in capsys.readouterr().err
+    assert "ppsync: --max-num-reqs = 4 must be >= --rows = 8" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="pp_size"):
         BenchOptions.build(pp_size=1)
+    with pytest.raises(SystemExit) as exc:  # bounded at parsing, from BenchOptions.pp_size
+        main(["bench", "--pp-size", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ppsync bench: error: argument --pp-size: 1 must be in [2, 64]"], err
 
 
 def test_overdue_within_counts_only_lateness_inside_windows() -> None:
