@@ -32,7 +32,7 @@ from ppsync.core.groups import pipeline_layout
 from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.debug.cli import dump_files, point_at_dumps
 from ppsync.debug.paths import check_output_file
-from ppsync.errors import ConfigError, PPSyncError
+from ppsync.errors import ConfigError, PPSyncError, Stopped
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
@@ -234,7 +234,8 @@ def _stopped(signum: int, frame: object) -> None:
     where = " while joining the world" if joining() else ""
     print(f"ppsync: rank {rank}: stopped by {signal.Signals(signum).name}{where} (the launcher "
           "ends the run: a peer failed, or it was asked to stop)", file=sys.stderr, flush=True)
-    dump_all("signal")  # os._exit skips atexit; no-op without a dump directory
+    # os._exit skips atexit; no-op without a dump directory
+    dump_all("signal", error=Stopped(f"stopped by {signal.Signals(signum).name}", signum))
     sys.stdout.flush()
     os._exit(1)
 

@@ -36,7 +36,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.liveness import FailureBoard
-from ppsync.errors import PeerLost, RankFailed, SyncTimeout
+from ppsync.errors import PeerLost, RankFailed, Stopped, SyncTimeout
 from ppsync.harness.lifetime import (
     StopGuard,
     default_stop_signals,
@@ -147,7 +147,7 @@ def _child(job: _Job[R], conn: Connection) -> None:
 def _stopped_rank(signum: int, frame: object) -> None:
     """A rank told to stop (the launcher passes SIGTERM / SIGINT on): dump the
     flight record (no-op without a dump directory) and end."""
-    dump_all("signal")
+    dump_all("signal", error=Stopped(f"stopped by {signal.Signals(signum).name}", signum))
     os._exit(128 + signum)
 
 

@@ -63,13 +63,13 @@ def _alive(pid: int) -> bool:
 class Launch:
     """A ``ppsync launch`` process, its stderr in a file, its children."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *extra: str) -> None:
         self.err_path = tmp / "launch.err"
         self.out_path = tmp / "launch.out"
         self.report = tmp / "report.json"
         with open(self.err_path, "wb") as err, open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen([*LAUNCH, "--report", str(self.report)], stdout=out,
-                                         stderr=err)
+            self.proc = subprocess.Popen([*LAUNCH, "--report", str(self.report), *extra],
+                                         stdout=out, stderr=err)
         self.children: list[int] = []
 
     def err(self) -> str:
@@ -162,3 +162,34 @@ def test_a_stopped_rank_does_not_hold_launch_past_its_timeout(launch: Launch) ->
     assert receiver.steps > 0 and receiver.rows_delivered > 0  # what it checked by then
     assert receiver.faults == 0
     assert "INCOMPLETE" in launch.out_path.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_the_dumps_of_a_sigterm_stopped_launch_read_stopped(tmp_path: Path) -> None:
+    """Every rank dumps as the launcher passes SIGTERM on; ``dump show``
+    reads STOPPED by SIGTERM (not OK), exit 4; its JSON into a pipe closed
+    after one line ends quietly, no traceback."""
+    dumps = tmp_path / "dumps"
+    run = Launch(tmp_path, "--dump-dir", str(dumps))
+    try:
+        run.wait_mid_run()
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.ended_within(10.0) is not None, run.err()
+    finally:
+        run.close()
+    assert "INCOMPLETE" in run.out_path.read_text()
+    report = RunReport.model_validate_json(run.report.read_text())
+    assert report.ended is not None and "SIGTERM" in report.ended
+    show = subprocess.run([sys.executable, "-m", "ppsync", "dump", "show", str(dumps)],
+                          capture_output=True, text=True, timeout=60)
+    assert show.returncode == 4, show.stdout + show.stderr
+    assert "world verdict: STOPPED by SIGTERM" in show.stdout, show.stdout
+    assert "stopped by SIGTERM" in show.stdout  # each rank's line says so
+    for head in ("head -1", "head -0"):  # head -0 closes the pipe before any write
+        piped = subprocess.run(
+            f"{sys.executable} -m ppsync dump show --json {dumps} | {head}; "
+            "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash",
+            capture_output=True, text=True, timeout=60)
+        assert piped.stdout == ("{\n" if head == "head -1" else ""), piped.stdout
+        assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, (
+            piped.stderr)
