@@ -80,6 +80,12 @@ def test_cli_bench_prints_tables_and_writes_json(
     assert data["options"]["pp_size"] == 2 and data["options"]["rows"] == 8
     report = BenchReport.model_validate(data)
     _check_report(report, ["dedicated"])
+    # set for P=2, 256 rows: not printed for 8 rows; for theirs, said to be goals
+    assert not report.reference_config and "targets: not printed" in text
+    assert "MISSED" not in text and " met\n" not in text
+    at_reference = format_tables(report.model_copy(update={"reference_config": True}))
+    assert "goals set for P=2, 256 rows" in at_reference and "never checked" in at_reference
+    assert all(t.name in at_reference for t in report.targets)
 
 
 def test_bench_three_ranks_with_drafts() -> None:
