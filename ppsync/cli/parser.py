@@ -35,9 +35,11 @@ MASTER_PORT; `bench` times it against raw broadcasts and vLLM's scheme;
 without it and compares the tokens."""
 
 EXIT_CODES = """\
-exit status: 0 every row arrived exactly once and intact; 1 a row was lost,
-stale, duplicated or corrupt, or a rank failed, or the run was ended before
-its end (the table then says INCOMPLETE); 2 a bad argument or environment."""
+exit status of launch and run: 0 every row arrived exactly once and intact;
+1 a row was lost, stale, duplicated or corrupt, a rank failed, or the run was
+ended before its end (the table then says INCOMPLETE); 2 a bad argument or
+environment. dump show: 0 OK, 1 FAILED, 3 INCOMPLETE, 4 STOPPED. bench: 0
+(its targets are goals, never checked)."""
 
 BENCH_HELP = """\
 Time the token path on P local gloo ranks; print figures, never a pass/fail.
