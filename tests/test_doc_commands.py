@@ -68,7 +68,7 @@ def _commands(text: str) -> Iterator[tuple[int, str]]:
 
 def _expand(words: list[str]) -> Iterator[list[str]]:
     """Every reading of ``words`` with its placeholders filled in."""
-    options = []
+    options: list[list[str]] = []
     for w in words:
         if w == "...":
             options.append([])

@@ -84,9 +84,9 @@ def partial_report(config: SyncConfig, opts: RunOptions, layout: list[list[int]]
     ranks = []
     for index, group in enumerate(layout):
         for i, rank in enumerate(group):
-            row = board.row(rank)
-            ranks.append(RankReport(rank=i, global_rank=rank, pp_group=index,
-                                    role="last" if i == len(group) - 1 else "receiver", **row))
+            ranks.append(RankReport.model_validate({
+                "rank": i, "global_rank": rank, "pp_group": index,
+                "role": "last" if i == len(group) - 1 else "receiver", **board.row(rank)}))
     ranks.sort(key=lambda r: r.global_rank or 0)
     return RunReport(config=config, steps=opts.steps, seed=opts.seed,
                      mode="sync" if opts.backend is None else "async",
