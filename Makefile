@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check FORCE
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check torch-range-test FORCE
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,26 @@ test: lint typecheck pytest
 
 demo: $(STAMP)
 	$(VENV)/bin/ppsync launch --pp-size 3 --steps 3000 --spec 2 --max-num-reqs 32
+
+# The core, services and fault suites on the oldest and the newest torch of the
+# range pyproject.toml declares (the releases the supported vLLM releases pin;
+# ppsync.core.torch_support), each in its own venv .venv-torch-VERSION: the CPU
+# build from PyTorch's CPU index, or, where that index cannot be reached, the
+# PyPI build (CUDA-linked, about 5 GB with its libraries; it runs on CPU).
+TORCH_RANGE       ?= 2.11.0 2.14.1
+TORCH_RANGE_TESTS ?= tests/core tests/services tests/faults
+torch-range-test:
+	@for v in $(TORCH_RANGE); do \
+		venv=.venv-torch-$$v; \
+		test -x $$venv/bin/python || python3 -m venv $$venv || exit 1; \
+		$$venv/bin/python -c "import torch, sys; sys.exit(not torch.__version__.startswith('$$v'))" \
+			2>/dev/null || $$venv/bin/pip install -q $(TORCH_PIP_NET) --extra-index-url \
+			$(TORCH_INDEX) "torch==$$v+cpu" 2>/dev/null || $$venv/bin/pip install -q "torch==$$v" \
+			|| exit 1; \
+		$$venv/bin/pip install -q -e '.[test]' || exit 1; \
+		echo "torch-range-test: torch $$($$venv/bin/python -c 'import torch; print(torch.__version__)')"; \
+		$$venv/bin/pytest -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; \
+	done
 
 # Not a CI test: >= 10^6 row-steps at P=3, K=3 with churn; 0 lost/stale/dup and RSS per rank.
 soak: $(STAMP)
@@ -117,4 +137,4 @@ vllm-check: $(VLLM_STAMP)
 FORCE:
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-torch-* .pytest_cache .mypy_cache .ruff_cache

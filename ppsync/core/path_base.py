@@ -24,11 +24,10 @@ which codec it has.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -48,8 +47,8 @@ from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.ring import SlotRing
-from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep
-from ppsync.core.teardown import bound_group_timeout, keep_until_exit
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, role_error
+from ppsync.core.teardown import keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock
 from ppsync.core.waits import InFlight, Waits, named_failure
 from ppsync.errors import (
@@ -59,35 +58,11 @@ from ppsync.errors import (
     PeerLost,
     PPSyncError,
     ProtocolError,
-    RoleError,
     SyncTimeout,
 )
 from ppsync.schemas.config import SyncConfig
 
 T = TypeVar("T")
-R = TypeVar("R")
-S = TypeVar("S")
-P = ParamSpec("P")
-
-
-def takes_args_of(
-    of: Callable[Concatenate[Any, P], object],
-) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
-    """Type a method that forwards its arguments as taking those of ``of``
-    (a method too): one signature, written once, for the calls that pass
-    it on (publish: TokenPath.prepare's, through the services)."""
-    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
-        method.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
-        return method
-    return typed
-
-
-def role_error(op: str, *, rank: int, pp_size: int, last: bool) -> RoleError:
-    """``op()`` belongs to the last rank (``last``) or to the others, and
-    group ``rank`` of ``pp_size`` is not such a rank."""
-    who = "the last rank" if last else "a non-last rank"
-    return RoleError(f"{op}() belongs to {who}; group rank {rank} of pp_size {pp_size} is "
-                     f"{'not the last' if last else 'the last'} rank")
 
 
 class PathBase:
@@ -129,13 +104,13 @@ class PathBase:
         self.completion: Completion = completion_for(group, backend)
         """What the group's works mean (host-completed: gloo; stream-ordered:
         NCCL, XCCL, the CPU twin): every wait and stream order asks it."""
-        bound_group_timeout(group, self.completion.group_timeout_s(config.timeout_s))
         self.transport: Broadcaster = self.completion.broadcaster(group, config.pp_size - 1)
         """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
         may put a loopback in its place (ppsync.bench.loopback)."""
         self.platform = self.completion.platform(
             platform if isinstance(platform, Platform) else platform_for(device, platform))
         self.backend = backend
+        self.completion.bind(group, config.timeout_s, self.platform)
         # chosen before the handshake: a codec the backend cannot carry raises
         # before anything is issued
         self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
@@ -197,13 +172,14 @@ class PathBase:
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         clock = self._waits.clock
-        if clock is None:
-            return self.transport.issue(buf)
-        t0 = time.thread_time_ns()
-        try:
-            return self.transport.issue(buf)
-        finally:
+        t0 = 0 if clock is None else time.thread_time_ns()
+        work = self.transport.issue(buf)
+        if clock is not None:
             clock.issue_ns += time.thread_time_ns() - t0
+        if self.completion.stream_ordered:  # bounded from its post (completion.guard)
+            what = "send" if self.is_last else "receive"
+            self.completion.issued(work, f"rank {self.rank}: {what} of frame {self.seq}")
+        return work
 
     # -- the async contract (see the module docstring) -------------------
 
@@ -384,6 +360,7 @@ class PathBase:
                 # (the CPU twin's gloo): the group is never destroyed
                 keep_until_exit(self.group)
             self.codec.close()
+            self.completion.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
 

@@ -11,6 +11,7 @@ the same verdict. ``ppsync launch`` spawns processes that run exactly this.
 from __future__ import annotations
 
 import datetime
+import os
 import secrets
 import sys
 import time
@@ -108,6 +109,22 @@ def _run_group(
                                    progress=progress, device=device)
 
 
+TWIN_ABORT_HANG = "PPSYNC_TWIN_ABORT_HANG_S"
+"""Seconds the CPU twin's NCCL abort blocks (``inf``: for ever), as
+``ncclCommAbort`` can when another communicator's kernel is stuck: for the
+fault suites' runs of ``launch --emulate nccl``."""
+
+
+def twin_abort_hang_s() -> float:
+    """:data:`TWIN_ABORT_HANG` as a number (0 when unset); ConfigError otherwise."""
+    text = os.environ.get(TWIN_ABORT_HANG, "0")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{TWIN_ABORT_HANG} = {text!r} must be a number of seconds "
+                          "(inf: for ever)") from None
+
+
 def completion_facts(group: dist.ProcessGroup, emulated: str | None) -> dict[str, object]:
     """The report's fields on the token group's completion semantics; on
     the CPU twin, what its stand-in streams saw in this process."""
@@ -153,7 +170,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     # group's; the final gather's is set here).
     _, group = token_groups(layout, timeout_s=opts.join_timeout_s, backend=backend)
     if opts.emulate is not None:
-        emulate(group, opts.emulate)
+        emulate(group, opts.emulate, abort_hang_s=twin_abort_hang_s())
     gather = dist.new_group(list(range(world.world_size)),
                             timeout=datetime.timedelta(seconds=opts.join_timeout_s))
     gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))

@@ -38,9 +38,8 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView
 from ppsync.core.dumps import dumps_pending
 from ppsync.core.liveness import FailureBoard
-from ppsync.core.path_base import takes_args_of
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import CallNames
+from ppsync.core.steps import CallNames, takes_args_of
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import PeerLost, PPSyncError
 from ppsync.schemas.config import SyncConfig

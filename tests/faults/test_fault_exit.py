@@ -89,6 +89,12 @@ CASES = [
     pytest.param("twin-sync", 1, "kill", 30.0, id="twin-sync-kill1"),
     pytest.param("twin-sync", 1, "stop", 30.0, id="twin-sync-stop1"),
     pytest.param("twin-asyncio", 1, "stop", 30.0, id="twin-asyncio-stop1"),
+    # XCCL's (no abort: the pending receives stay pending), and NCCL's with an
+    # abort that never returns: survivors still raise at once and exit
+    pytest.param("xccl-sync", 1, "kill", 30.0, id="xccl-sync-kill1"),
+    pytest.param("xccl-asyncio", 1, "stop", 30.0, id="xccl-asyncio-stop1"),
+    pytest.param("hang-sync", 1, "stop", 30.0, id="hang-sync-stop1"),
+    pytest.param("hang-trio", 1, "kill", 30.0, id="hang-trio-kill1"),
 ]
 
 
