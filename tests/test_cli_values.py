@@ -160,4 +160,4 @@ def test_help_describes_the_tool_and_the_exit_codes() -> None:
 
     text = _parser().format_help()
     assert "carries each step's sampled tokens" in text
-    assert "exit status: 0" in text
+    assert "exit status of launch and run: 0" in text and "dump show: 0 OK, 1 FAILED" in text
