@@ -204,6 +204,9 @@ def test_launch_on_the_cpu_twin_of_nccl_reports_the_engine_stream_waits(
     assert [(r, u) for r, u, _ in waits] == [("0", "0"), ("1", "0")], out
     assert int(waits[0][2]) > 0 and waits[1][2] == "0", out  # the receiver waits at consume
     assert out.strip().endswith("-> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"), out
+    # the verdict line names what the run used: the sets as resolved, the emulation
+    assert re.search(r"codec=device device_kernels=torch host_kernels=(numba|numpy) "
+                     r"emulate=nccl mode=sync -> OK", out), out
 
 
 def test_unconsumed_waits_on_the_twin_fail_the_run(capsys: pytest.CaptureFixture[str],
