@@ -122,6 +122,9 @@ def launch(tmp_path: Path) -> Iterator[Launch]:
 @pytest.mark.timeout(120)
 def test_sigterm_to_launch_ends_every_rank_and_the_store(launch: Launch) -> None:
     launch.wait_mid_run()
+    # each process shows its role in `ps -e` / top (the kernel's comm, 15 bytes)
+    names = [Path(f"/proc/{p}/comm").read_text().strip() for p in launch.children]
+    assert names == ["ppsync store", "ppsync r0 recv", "ppsync r1 last"], names
     t0 = time.monotonic()
     launch.proc.send_signal(signal.SIGTERM)
     took = launch.ended_within(10.0)
