@@ -101,7 +101,8 @@ def format_table(report: RunReport) -> str:
     receiver columns (expected, excluded, delivered) read against it: in a
     clean run every receiver has delivered = expected and
     sent = delivered + excluded. A column that does not apply to a rank's
-    role shows ``-``."""
+    role shows ``-``; so do the times and memory of a run ended early (its
+    ranks' counts come from the step board)."""
     head = (f"{'rank':>4} {'group':>5} {'role':<8} {'steps':>6} {'transfers':>9} {'sent':>7} "
             f"{'expected':>8} {'excluded':>8} {'delivered':>9} {'lost':>5} {'stale':>5} "
             f"{'dup':>4} {'corrupt':>7} {'p50_us':>8} {'p99_us':>8} {'rss_mb':>13}")
@@ -113,11 +114,14 @@ def format_table(report: RunReport) -> str:
         expected, excluded, delivered = (
             ("-", "-", "-") if last else (r.rows_expected, r.excluded, r.rows_delivered)
         )
+        # a run ended early knows each rank's counts, not its times nor memory
+        times = (f"{'-':>8} {'-':>8} {'-':>13}" if report.ended is not None else
+                 f"{r.sync_us_p50:>8.1f} {r.sync_us_p99:>8.1f} "
+                 f"{r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}")
         lines.append(
             f"{rank:>4} {r.pp_group:>5} {r.role:<8} {r.steps:>6} {r.transfers:>9} "
             f"{sent:>7} {expected:>8} {excluded:>8} {delivered:>9} {r.lost:>5} "
-            f"{r.stale:>5} {r.duplicated:>4} {r.corrupt:>7} {r.sync_us_p50:>8.1f} "
-            f"{r.sync_us_p99:>8.1f} {r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}"
+            f"{r.stale:>5} {r.duplicated:>4} {r.corrupt:>7} {times}"
         )
     twin = [r for r in report.ranks if r.engine_waits_unconsumed is not None]
     if twin:
