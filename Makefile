@@ -47,6 +47,9 @@ demo: $(STAMP)
 # ppsync.core.torch_support), each in its own venv .venv-torch-VERSION: the CPU
 # build from PyTorch's CPU index, or, where that index cannot be reached, the
 # PyPI build (CUDA-linked, about 5 GB with its libraries; it runs on CPU).
+# Triton comes out of these venvs: the interpreter of the Triton those builds
+# pin (3.6 with 2.11) fails under numpy 2.4 on CPU tensors, and the Triton
+# kernels' tests run in .venv's Triton; the torch-op kernels serve here.
 TORCH_RANGE       ?= 2.11.0 2.14.1
 TORCH_RANGE_TESTS ?= tests/core tests/services tests/faults
 torch-range-test:
@@ -57,7 +60,8 @@ torch-range-test:
 			2>/dev/null || $$venv/bin/pip install -q $(TORCH_PIP_NET) --extra-index-url \
 			$(TORCH_INDEX) "torch==$$v+cpu" 2>/dev/null || $$venv/bin/pip install -q "torch==$$v" \
 			|| exit 1; \
-		$$venv/bin/pip install -q -e '.[test]' || exit 1; \
+		$$venv/bin/pip install -q -e '.[test,jit]' || exit 1; \
+		$$venv/bin/pip uninstall -q -y triton; \
 		echo "torch-range-test: torch $$($$venv/bin/python -c 'import torch; print(torch.__version__)')"; \
 		$$venv/bin/pytest -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; \
 	done

@@ -42,7 +42,7 @@ from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
-from ppsync.core.handshake import Handshake
+from ppsync.core.handshake import Handshake, never_arrived
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
@@ -118,7 +118,7 @@ class PathBase:
         """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
         on_device = self.completion.device_only
         self.handshake: Handshake | None = Handshake(
-            config, group, rank=self.rank, completion=self.completion,
+            config, group, rank=self.rank, completion=self.completion, board=self.board,
             device=self.platform.device if on_device else None,
             device_kernels=self.codec.device_kernels_name)
         """Issued at once; finished here, or by the caller (``wait_handshake``
@@ -155,10 +155,23 @@ class PathBase:
         Every other call needs it done."""
         if self.handshake is None:
             return
-        self.run_id = self.handshake.finish()
+        try:
+            self.run_id = self.handshake.finish()
+        except SyncTimeout as e:
+            raise self.handshake_error(e) from None
         self.handshake = None
         if self.board is not None:
             self.board.bind_run(self.run_id)
+
+    def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
+        """The start-up handshake did not complete within timeout_s: the
+        error naming the ranks that never reached it (from the board), the
+        group aborted where that is how its pending transfer ends (the
+        communicator's first use must not spin, nor meet NCCL's watchdog)."""
+        err = never_arrived(err, self.board)
+        self._abort(err)
+        keep_until_exit(self.group)
+        return err
 
     @property
     def clock(self) -> TransportClock | None:

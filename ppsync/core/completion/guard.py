@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -49,7 +50,7 @@ class DeadlineGuard:
         self.period_s = min(PERIOD_MAX_S, timeout_s / 8)
         self._on_overdue = on_overdue
         self._poll_guard = poll_guard
-        self._works: list[tuple[dist.Work, float, str]] = []  # oldest first
+        self._works: deque[tuple[dist.Work, float, str]] = deque()  # oldest first
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -96,7 +97,7 @@ class DeadlineGuard:
                     return
                 if done:
                     if self._works and self._works[0] is head:
-                        self._works.pop(0)
+                        self._works.popleft()
                     continue
                 age = time.monotonic() - head[1]
                 if age <= self.timeout_s:

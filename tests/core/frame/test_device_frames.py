@@ -343,7 +343,7 @@ def test_xpu_orders_its_send_with_an_event_never_a_host_sync() -> None:
 
     side, main = Stream("side"), Stream("main")
 
-    class Event:
+    class RecordedEvent:
         def record(self, stream: Stream) -> None:
             calls.append(f"record on {stream.name}")
 
@@ -351,7 +351,7 @@ def test_xpu_orders_its_send_with_an_event_never_a_host_sync() -> None:
             return "event"
 
     class Xpu:  # torch.xpu's calls that before_send makes, recorded
-        Event = Event
+        Event = RecordedEvent
 
         @staticmethod
         def current_stream(device: object) -> Stream:
