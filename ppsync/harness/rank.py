@@ -36,6 +36,7 @@ from ppsync.harness.driver import (
     run_sync_rank,
     workload_config,
 )
+from ppsync.harness.lifetime import set_process_name
 from ppsync.harness.world import WorldEnv
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport, RunReport
@@ -87,8 +88,8 @@ class Progress:
         rate = (done - self.first_done) / max(now - self.started, 1e-9)
         total = self.steps + self.drain
         eta = (total - done) / rate if rate > 0 else 0.0
-        drain = f"+{self.drain} drain" if self.drain else ""
-        print(f"ppsync: step {done}/{self.steps}{drain}  {rate:.0f} steps/s  ETA {eta:.0f} s",
+        of = f"{total} ({self.steps} + {self.drain} drain)" if self.drain else f"{total}"
+        print(f"ppsync: step {done}/{of}  {rate:.0f} steps/s  ETA {eta:.0f} s",
               file=self.out or sys.stderr, flush=True)
 
 
@@ -174,6 +175,8 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
                             timeout=datetime.timedelta(seconds=opts.join_timeout_s))
     gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))
     index = next(i for i, ranks in enumerate(layout) if world.rank in ranks)
+    role = "last" if layout[index][-1] == world.rank else "recv"
+    set_process_name(f"ppsync r{world.rank} {role}")  # what `ps -e` and `top` show
     board = FailureBoard(store, ranks=layout[index], me=world.rank)
     progress = None
     if opts.progress_s is not None and world.rank == 0:
@@ -194,5 +197,5 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     return RunReport(
         config=config, steps=opts.steps, seed=opts.seed,
         mode="sync" if opts.backend is None else "async",
-        world_size=world.world_size, ranks=ranks,
+        world_size=world.world_size, ranks=ranks, backend=opts.backend, emulate=opts.emulate,
     )

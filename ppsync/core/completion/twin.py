@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,12 @@ from ppsync.core.completion.twin_streams import (
 from ppsync.core.platform import Platform
 from ppsync.core.transport import Broadcaster, has_ended
 from ppsync.errors import ConfigError
+from ppsync.schemas.config import EmulatedName
 
 __all__ = ["EMULATED", "POISON", "STATS", "TwinCompleted", "TwinGroup", "TwinWork", "emulate",
            "twin_of"]
 
-EMULATED = ("nccl", "xccl")
+EMULATED: tuple[str, ...] = get_args(EmulatedName)  # the one list: ppsync.schemas.config
 """What ``--emulate`` accepts."""
 
 POISON = -0x5EB5EB5EB5EB5EB5
