@@ -11,7 +11,16 @@ dumps) -> ``ppsync.cli``.
 """
 
 import importlib as _importlib
+import importlib.util as _util
 import typing as _typing
+
+_MISSING = [name for name in ("numpy", "pydantic", "anyio") if _util.find_spec(name) is None]
+if _MISSING:  # a CUDA image has torch and numpy but no pydantic: say what to do
+    raise ModuleNotFoundError(
+        f"ppsync needs {', '.join(_MISSING)}, which this Python lacks. Without a network "
+        "(a GPU machine): `make gpu-wheels` where pip works, carry wheels/gpu, then "
+        "`python3 -m pip install --no-index --find-links wheels/gpu ppsync` "
+        "(docs/operations.md, \"GPU check\")", name=_MISSING[0])
 
 if _typing.TYPE_CHECKING:  # the names, for readers and type checkers; loaded on first use
     from ppsync.compat import PPHandler

@@ -23,10 +23,11 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ppsync.bench.codec_cpu import hot_config, in_fresh_process, path_cpu
+from ppsync.bench.codec_cpu import hot_config, path_cpu
 from ppsync.bench.common import Heartbeat, idle_loop, rank_ctx, world_barrier
 from ppsync.bench.cpu import recorder_cpu
 from ppsync.bench.dispatches import Counts, call_targets, count_all, format_table
+from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
 from ppsync.bench.pipelined import (
     SCHEMES,

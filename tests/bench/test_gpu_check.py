@@ -15,7 +15,7 @@ import torch
 
 from ppsync.bench import gpu_check
 from ppsync.bench import gpu_stream_checks as stream_checks
-from ppsync.bench.codec_cpu import in_fresh_process
+from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.gpu_steps import format_timing, time_schemes
 from ppsync.core.device_kernels import triton_error
 from ppsync.errors import RankFailed
