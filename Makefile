@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check torch-range-test FORCE
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check gpu-wheels vllm-check torch-range-test FORCE
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -89,12 +89,42 @@ wheelhouse: $(STAMP)
 compose-test: wheelhouse
 	services/compose_test.sh
 
-# On a GPU machine, with a CUDA build of torch in $(VENV) (create the venv and
-# `pip install torch` first: a venv that has a torch keeps it). Checks the device
-# path (docs/operations.md, "GPU check"); exits 2 where there is no CUDA. Bounded at 8 minutes.
-# Triton's kernels compiled for the GPU, not its interpreter (the tests' default)
+# On a GPU machine (docs/operations.md, "GPU check"): checks the device path;
+# exits 2 where there is no CUDA. PYTHON=python3 runs that interpreter as it is
+# (a CUDA image's: no venv is built, nothing is fetched; ppsync's own needs come
+# from `make gpu-wheels`); without PYTHON, $(VENV) with a CUDA build of torch
+# (create the venv and `pip install torch` first: a venv that has a torch keeps
+# it). The run bounds itself at 330 s (each check in a fresh process, ended when
+# it overruns); `timeout` is the last resort. Triton's kernels compiled for the
+# GPU, not its interpreter (the tests' default).
+GPU_CHECK_RUN = TRITON_INTERPRET=0 PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
+	timeout -k 10 360
+ifdef PYTHON
+gpu-check:
+	$(GPU_CHECK_RUN) $(PYTHON) -m ppsync.bench.gpu_check $(GPU_CHECK_FLAGS)
+else
 gpu-check: $(STAMP)
-	TRITON_INTERPRET=0 timeout 480 $(PY) -m ppsync.bench.gpu_check
+	$(GPU_CHECK_RUN) $(PY) -m ppsync.bench.gpu_check $(GPU_CHECK_FLAGS)
+endif
+
+# Here, where pip reaches an index: the wheels a CUDA image's Python lacks for
+# `import ppsync` (it has torch, numpy; not pydantic and its parts, nor
+# jsonschema's), for $(GPU_PYTHON) manylinux x86_64, and ppsync's own wheel,
+# into $(GPU_WHEELS). Carry that folder; there:
+#   python3 -m pip install --no-index --find-links wheels/gpu ppsync
+GPU_WHEELS       ?= wheels/gpu
+GPU_PYTHON       ?= 3.12
+GPU_NEEDS        ?= 'pydantic>=2.7' 'anyio>=4.12' 'jsonschema>=4.18'
+GPU_PLATFORMS    ?= manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64
+GPU_PIP          ?= $(or $(PYTHON),python3) -m pip
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	rm -f $(GPU_WHEELS)/ppsync-*.whl
+	$(GPU_PIP) download -q --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		--dest $(GPU_WHEELS) $(GPU_NEEDS)
+	$(GPU_PIP) wheel -q --no-deps --wheel-dir $(GPU_WHEELS) .
+	ls $(GPU_WHEELS)
 
 # Before switching to ppsync's vLLM handler (not part of `make test`): runs the
 # vLLM of $(VLLM_VENV) twice at pipeline_parallel_size $(PP) on a small dummy

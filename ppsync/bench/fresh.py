@@ -44,13 +44,15 @@ class Overran(TimeoutError):
         self.how = how
 
 
-def _child(conn: Connection, parent_pid: int, fn: Callable[..., Any],
+def _child(conn: Connection, ready: Any, parent_pid: int, fn: Callable[..., Any],
            args: tuple[object, ...]) -> None:
     """The worker: run ``fn(*args)``, send ("ok", result) or ("err", the
     exception), leave with os._exit (a backend's threads or destructors, an
-    aborted NCCL communicator's say, must not hold the exit)."""
+    aborted NCCL communicator's say, must not hold the exit). ``ready`` is
+    set once SIGUSR1 prints the stacks (before, it would end the worker)."""
     die_with_parent(parent_pid)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    ready.set()
     code = 0
     try:
         conn.send(("ok", fn(*args)))
@@ -68,7 +70,8 @@ def _child(conn: Connection, parent_pid: int, fn: Callable[..., Any],
 
 
 def _end(proc: Any, *, stacks: bool) -> str:
-    """End ``proc``: "exited" (it did by itself), "terminated" or "killed"."""
+    """End ``proc`` (first asking for its stacks, with ``stacks``):
+    "exited" (it did by itself), "terminated" or "killed"."""
     if stacks and proc.is_alive() and proc.pid is not None:
         try:
             os.kill(proc.pid, signal.SIGUSR1)
@@ -96,13 +99,15 @@ def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300
     died without a word. ``fn`` and ``args`` must pickle."""
     ctx: Any = multiprocessing.get_context("spawn")
     parent_end, child_end = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child_end, os.getpid(), fn, args), daemon=True)
+    ready = ctx.Event()
+    # not a daemon: a check starts rank processes (it dies with this one anyway)
+    proc = ctx.Process(target=_child, args=(child_end, ready, os.getpid(), fn, args))
     t0 = time.monotonic()
     proc.start()
     child_end.close()
     try:
         if not parent_end.poll(timeout_s):
-            how = _end(proc, stacks=True)
+            how = _end(proc, stacks=ready.is_set())
             raise Overran(f"no result within {timeout_s:.0f} s: the worker was {how}"
                           + (" (it ignored SIGTERM)" if how == "killed" else ""), how)
         try:

@@ -80,7 +80,7 @@ def _outcome(fn: Callable[[], object], bound_s: float = 10.0) -> str:
         try:
             said.append(f"returned {fn()!r}")
         except Exception as e:
-            said.append(f"raised {type(e).__name__}: {str(e)[:120]}")
+            said.append(f"raised {type(e).__name__}: {' '.join(str(e).split())[:120]}")
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -102,25 +102,21 @@ def until_completed(work: dist.Work, bound_s: float = 10.0) -> bool:
 
 @contextlib.contextmanager
 def counting_calls(classes: list[type], name: str, calls: list[str]) -> Iterator[None]:
-    """Every call of method ``name`` on ``classes`` appends to ``calls``."""
-    saved: list[tuple[type, Any, bool]] = []
-    for cls in dict.fromkeys(classes):
-        orig = getattr(cls, name)
-
+    """Every call of method ``name`` on instances of ``classes`` appends to
+    ``calls``: each class in their MROs that defines it is wrapped, once."""
+    owners = dict.fromkeys(c for cls in classes for c in cls.__mro__ if name in c.__dict__)
+    saved = [(cls, cls.__dict__[name]) for cls in owners]
+    for cls, orig in saved:
         def counted(self: object, *a: object, _orig: Any = orig, **k: object) -> Any:
             calls.append(name)
             return _orig(self, *a, **k)
 
-        saved.append((cls, orig, name in cls.__dict__))
         setattr(cls, name, counted)
     try:
         yield
     finally:
-        for cls, orig, own in saved:
-            if own:
-                setattr(cls, name, orig)
-            else:
-                delattr(cls, name)
+        for cls, orig in saved:
+            setattr(cls, name, orig)
 
 
 def exception_probe(backend: str, steps: int = 8) -> Result:
