@@ -126,7 +126,7 @@ def test_each_row_is_printed_and_flushed_as_its_check_ends() -> None:
         Check("b) fails", fails, 60),
         Check("c) raises", raises, 60),
         Check("d) skips", skips, 60),
-        Check("e) not run", passes, 60, skip="needs >= 2 GPUs"),
+        Check("e) not run", fails, 60, skip="needs >= 2 GPUs"),
     ], budget_s=300, out=out)
     assert [r[1] for r in rows] == ["PASS", "FAIL", "FAIL", "SKIP", "SKIP"]
     assert rows[2][2] == "ValueError: a broken check" and rows[3][2] == "cannot run here"
