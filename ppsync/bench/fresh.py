@@ -17,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import time
@@ -55,13 +56,15 @@ def _child(conn: Connection, ready: Any, parent_pid: int, fn: Callable[..., Any]
     ready.set()
     code = 0
     try:
-        conn.send(("ok", fn(*args)))
+        conn.send(("ok", fn(*args), ""))
     except BaseException as e:  # reported to the parent, which re-raises it
         code = 1
+        where = f"in the fresh process {os.getpid()}:\n{traceback.format_exc()}"
         try:
-            conn.send(("err", e))
+            pickle.loads(pickle.dumps(e))  # it must come back as itself
+            conn.send(("err", e, where))
         except Exception:  # an exception that does not pickle: its text
-            conn.send(("err", RuntimeError(traceback.format_exc())))
+            conn.send(("err", RuntimeError(f"{type(e).__name__}: {e}"), where))
     finally:
         conn.close()
         sys.stdout.flush()
@@ -111,7 +114,7 @@ def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300
             raise Overran(f"no result within {timeout_s:.0f} s: the worker was {how}"
                           + (" (it ignored SIGTERM)" if how == "killed" else ""), how)
         try:
-            kind, payload = parent_end.recv()
+            kind, payload, where = parent_end.recv()
         except EOFError:
             _end(proc, stacks=False)
             raise RuntimeError(f"the worker died after {time.monotonic() - t0:.1f} s "
@@ -122,6 +125,7 @@ def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300
             proc.join(KILL_GRACE_S)
             _end(proc, stacks=False)
     if kind == "err":
+        payload.add_note(where)  # the worker's traceback (a pickled one has none)
         raise payload
     result: T = payload
     return result

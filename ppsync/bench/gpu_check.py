@@ -43,6 +43,7 @@ import argparse
 import functools
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -101,6 +102,8 @@ def run_check(check: Check, left_s: float) -> Row:
         status, detail = "FAIL", f"hung: {e} (its threads' stacks are on stderr)"
     except Exception as e:  # a check that raised failed; the others still run
         status, detail = "FAIL", f"{type(e).__name__}: {e}"[:400]
+        print(f"{check.name}: ", end="", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)  # with the worker's traceback
     return check.name, status, detail, time.perf_counter() - t0
 
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 import functools
 import io
 import os
+import re
+import shutil
 import signal
+import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -35,6 +39,16 @@ def fails() -> tuple[bool, str]:
 
 def raises() -> tuple[bool, str]:
     raise ValueError("a broken check")
+
+
+class TwoArgs(Exception):
+    def __init__(self, message: str, extra: int) -> None:
+        super().__init__(message)  # pickles as TwoArgs(message): does not come back
+        self.extra = extra
+
+
+def raises_unpicklable() -> tuple[bool, str]:
+    raise TwoArgs("two args", 2)
 
 
 def skips() -> tuple[bool, str]:
@@ -79,8 +93,12 @@ def _wait_gone(pid: int, bound_s: float = 10.0) -> bool:
 
 def test_in_fresh_process_returns_and_reraises() -> None:
     assert in_fresh_process(passes, "x", timeout_s=60) == (True, "x")
-    with pytest.raises(ValueError, match="a broken check"):
+    with pytest.raises(ValueError, match="a broken check") as caught:
         in_fresh_process(raises, timeout_s=60)
+    (where,) = caught.value.__notes__
+    assert where.startswith("in the fresh process ") and "in raises" in where
+    with pytest.raises(RuntimeError, match=r"^TwoArgs: two args\n"):
+        in_fresh_process(raises_unpicklable, timeout_s=60)
 
 
 @pytest.mark.parametrize(("ignore_term", "how"), [(False, "terminated"), (True, "killed")])
@@ -165,3 +183,30 @@ def test_the_summary_says_counts_wall_time_and_what_one_gpu_cannot_check() -> No
         assert what in gaps.replace("an abort", "abort")
     named = [w.strip("(),") for w in gaps.split() if w.startswith(("tests/", "(tests/"))]
     assert len(named) == 3 and all((ROOT / p).is_file() for p in named), named
+
+
+def _make_n(*args: str) -> str:
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    done = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=True)
+    return done.stdout
+
+
+def test_make_gpu_check_with_python_runs_it_as_it_is() -> None:
+    dry = _make_n("gpu-check", "PYTHON=python3")
+    assert "venv" not in dry and "pip" not in dry  # nothing built, nothing fetched
+    assert "timeout -k 10 360 python3 -m ppsync.bench.gpu_check" in dry
+
+
+def test_make_gpu_wheels_fetches_what_a_cuda_image_lacks_for_python_3_12() -> None:
+    dry = _make_n("gpu-wheels")
+    assert "--only-binary=:all: --python-version 3.12" in dry
+    assert "--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64" in dry
+    # every dependency of ppsync but torch and numpy (the image's own), as pyproject says
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in deps} - {"torch", "numpy"}
+    assert names == {"pydantic", "anyio", "jsonschema"}
+    for dep in deps:
+        if not dep.startswith(("torch", "numpy")):
+            assert f"'{dep}'" in dry, dep
