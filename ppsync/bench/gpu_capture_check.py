@@ -1,8 +1,14 @@
 """``make gpu-check``'s check m (issue 32, item 7): a CUDA graph captured on
-the main thread (global capture mode: torch's default, vLLM's) while
-ppsync's services poll a pending work from their event loop's thread, on a
-one-rank NCCL token group: whether the capture survives, and what the poll
-and the services' wait saw. It reports the outcome either way.
+the main thread (global capture mode: torch's default, vLLM's) while a
+pending work of a one-rank NCCL token group is polled from another thread:
+
+- by ppsync's deadline guard (``StreamOrdered.bind`` / ``issued``: the one
+  poller ppsync runs off the engine's thread, under the thread-local capture
+  mode, docs/design.md "Polls beside the engine"): the capture must survive,
+  and its replay be right; that is the verdict;
+- by ppsync's services (``await_work``) in an event loop on another thread,
+  which ppsync does not do (its services poll on the engine's thread):
+  reported, whatever it gives.
 
 The capture calls ``CUDAGraph.capture_begin`` directly: ``torch.cuda.graph``
 synchronizes the device on entry, so with it no work is pending during a
@@ -32,25 +38,29 @@ from ppsync.bench.gpu_failure_checks import (
 )
 from ppsync.bench.gpu_stream_checks import device_of
 from ppsync.core.completion import Completion
+from ppsync.core.platform import platform_for
 from ppsync.services.completion import await_work
 
 
 class PolledWork:
-    """A work that notes when each ``is_completed()`` call (a poll) began,
-    and what a failed one raised; everything else is the work's own."""
+    """A work that notes each ``is_completed()`` call (a poll): when it began
+    and what it said (None: it raised, its error kept); else the work's own."""
 
     def __init__(self, work: Any) -> None:
         self.work = work
-        self.polls: list[float] = []
+        self.polls: list[tuple[float, bool | None]] = []
         self.errors: list[str] = []
 
     def is_completed(self) -> bool:
-        self.polls.append(time.perf_counter())
+        t = time.perf_counter()
         try:
-            return bool(self.work.is_completed())
+            done = bool(self.work.is_completed())
         except Exception as e:
+            self.polls.append((t, None))
             self.errors.append(f"{type(e).__name__}: {str(e)[:160]}")
             raise
+        self.polls.append((t, done))
+        return done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
@@ -60,45 +70,81 @@ Capture = Callable[[Callable[[], bool]], tuple[str | None, bool | None]]
 """Captures while its argument says to go on; (the capture's error or None,
 whether the replay gave the right result, None where it did not run)."""
 
+Poller = Callable[[PolledWork], Callable[[], str | None]]
+"""Starts polling a work from another thread; returns what waits (bounded)
+for that poller to be done with it and says the error it met, or None."""
 
-def polled_capture(work: Any, completion: Completion, capture: Capture,
-                   min_polls: int = 3, bound_s: float = 0.5) -> Result:
-    """Run ppsync's services' wait on ``work`` (``await_work``: polls on a
-    stream-ordered group) in an event loop on another thread, and
-    ``capture`` on this one once the first poll came, going on until
-    ``min_polls`` polls fell inside it or ``bound_s`` passed."""
-    polled = PolledWork(work)
-    loop_error: list[str] = []
 
-    def services() -> None:
+def guard_poller(completion: Completion, what: str = "gpu-check m") -> Poller:
+    """ppsync's deadline guard: ``completion`` (bound to its group) tracks the work."""
+    def start(polled: PolledWork) -> Callable[[], str | None]:
+        completion.issued(cast(dist.Work, polled), what)
+
+        def finish() -> str | None:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not _said_done(polled) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cause = getattr(completion, "cause", None)
+            return None if cause is None else f"the guard failed the group: {cause}"
+
+        return finish
+
+    return start
+
+
+def services_poller(completion: Completion) -> Poller:
+    """ppsync's services' wait (``await_work``) in an event loop on another thread."""
+    def start(polled: PolledWork) -> Callable[[], str | None]:
+        error: list[str] = []
+
         async def wait() -> None:
             await await_work(cast(dist.Work, polled), timeout_s=TIMEOUT_S, what="gpu-check m",
                              peer=None, completion=completion)
-        try:
-            anyio.run(wait)
-        except Exception as e:
-            loop_error.append(f"{type(e).__name__}: {str(e)[:160]}")
 
-    loop = threading.Thread(target=services, name="services-loop", daemon=True)
-    loop.start()
+        def loop() -> None:
+            try:
+                anyio.run(wait)
+            except Exception as e:
+                error.append(f"{type(e).__name__}: {str(e)[:160]}")
+
+        thread = threading.Thread(target=loop, name="services-loop", daemon=True)
+        thread.start()
+
+        def finish() -> str | None:
+            thread.join(TIMEOUT_S)
+            return error[0] if error else None
+
+        return finish
+
+    return start
+
+
+def polled_capture(work: Any, poller: Poller, capture: Capture, min_polls: int = 2,
+                   bound_s: float = 1.5) -> Result:
+    """Start ``poller`` on ``work``, then run ``capture`` on this thread once
+    the first poll came, going on until ``min_polls`` polls that found the
+    work pending fell inside it, or ``bound_s`` passed."""
+    polled = PolledWork(work)
+    finish = poller(polled)
     deadline = time.monotonic() + 5.0
     while not polled.polls and time.monotonic() < deadline:
         time.sleep(0.001)
     pending = bool(polled.polls) and not _said_done(polled)
     t0 = time.perf_counter()
 
+    def inside(t1: float) -> int:
+        return sum(1 for t, done in polled.polls if t0 <= t <= t1 and done is not True)
+
     def go_on() -> bool:
-        inside = sum(1 for p in polled.polls if p >= t0)
-        return inside < min_polls and time.perf_counter() - t0 < bound_s
+        now = time.perf_counter()
+        return inside(now) < min_polls and now - t0 < bound_s
 
     error, replay_ok = capture(go_on)
     t1 = time.perf_counter()
-    loop.join(TIMEOUT_S)
     return {"pending_at_capture": pending, "capture_ms": (t1 - t0) * 1e3,
-            "polls_during": sum(1 for p in polled.polls if t0 <= p <= t1),
-            "capture_error": error, "replay_ok": replay_ok,
+            "polls_during": inside(t1), "capture_error": error, "replay_ok": replay_ok,
             "poll_error": polled.errors[0] if polled.errors else None,
-            "services_error": loop_error[0] if loop_error else None}
+            "poller_error": finish()}
 
 
 def _said_done(polled: PolledWork) -> bool:
@@ -109,7 +155,9 @@ def _said_done(polled: PolledWork) -> bool:
 
 def cuda_capture(dev: torch.device) -> Capture:
     """A capture of ``x.add_(1)`` launches on a side stream, in the global
-    capture mode (torch's default, vLLM's), then a replay checked."""
+    capture mode (torch's default, vLLM's), 1 ms apart once 200 are in (the
+    graph stays small however long the capture waits for polls); then a
+    replay, checked."""
     def capture(go_on: Callable[[], bool]) -> tuple[str | None, bool | None]:
         stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
         x = torch.zeros(1024, device=dev)
@@ -121,6 +169,8 @@ def cuda_capture(dev: torch.device) -> Capture:
                 while n < 200 or go_on():
                     x.add_(1)
                     n += 1
+                    if n > 200:
+                        time.sleep(0.001)
             except Exception as e:
                 error = f"{type(e).__name__}: {str(e)[:160]}"
             finally:
@@ -138,37 +188,54 @@ def cuda_capture(dev: torch.device) -> Capture:
     return capture
 
 
+GUARD_TIMEOUT_S = 4.0
+"""The guard's timeout_s in m: its look period is timeout_s / 8 (0.5 s), and
+the work must end (2 s behind) well before it would be overdue."""
+
+
 def capture_probe(backend: str, behind_s: float = 2.0) -> Result:
     """m on this device: a broadcast pending behind ``behind_s`` of kernel
-    polled by the services while the main thread captures."""
+    polled by ppsync's deadline guard while the main thread captures; then
+    another, polled by the services' loop on another thread."""
     dev = device_of(0)
+    res: Result = {}
     with one_rank_group(backend) as (group, completion):
-        work, _ = issued(group, dev, behind_s)
-        if dev.type == "cuda":
-            res = polled_capture(work, completion, cuda_capture(dev))
-        else:  # the dry run: no graphs; the work is complete already
-            res = polled_capture(work, completion, lambda go_on: (None, None))
-        with contextlib.suppress(Exception):  # after an invalidated capture it may raise
-            until_completed(work, behind_s + 10.0)
+        capture: Capture = (cuda_capture(dev) if dev.type == "cuda"
+                            else lambda go_on: (None, None))  # the dry run: no graphs
+        completion.bind(group, GUARD_TIMEOUT_S, platform_for(dev))
+        for name, poller in (("guard", guard_poller(completion)),
+                             ("services", services_poller(completion))):
+            work, _ = issued(group, dev, behind_s)
+            res[name] = polled_capture(work, poller, capture)
+            with contextlib.suppress(Exception):  # after an invalidated capture it may raise
+                until_completed(work, behind_s + 10.0)
+        completion.close()
     return res
 
 
+def _outcome(res: Result) -> str:
+    seen = (f"{res['polls_during']} polls of the pending work in a "
+            f"{res['capture_ms']:.0f} ms capture")
+    if res["capture_error"] is None and res["poll_error"] is None and res["replay_ok"]:
+        return f"survived {seen}, replay right"
+    capture = f"INVALIDATED ({res['capture_error']})" if res["capture_error"] else "ran"
+    return (f"{capture}, {seen}; a poll raised: {res['poll_error']}; the poller: "
+            f"{res['poller_error']}; replay right: {res['replay_ok']}")
+
+
 def capture_verdict(res: Result) -> tuple[bool, str]:
-    """m passes when the capture survived polls that fell inside it, and its
-    replay was right; the premise: the work was pending and polled then."""
-    premise = res["pending_at_capture"] and res["polls_during"] > 0
-    ok = bool(premise and res["capture_error"] is None and res["poll_error"] is None
-              and res["services_error"] is None and res["replay_ok"])
-    seen = (f"{res['polls_during']} polls during a {res['capture_ms']:.1f} ms capture "
-            "(global mode, main thread; the services' loop on another thread)")
-    if not premise:
-        return False, f"premise FALSE (no poll of a pending work during the capture): {seen}"
-    if ok:
-        return True, f"capture survived {seen}; replay right"
-    capture = f"INVALIDATED: {res['capture_error']}" if res["capture_error"] else "ran"
-    return False, (f"capture {capture}; {seen}; a poll raised: {res['poll_error']}; "
-                   f"the services' wait: {res['services_error']}; replay right: "
-                   f"{res['replay_ok']}")
+    """m passes when the capture survived the deadline guard's polls of a
+    pending work inside it (the premise: there were some) and its replay
+    was right; the services-on-another-thread outcome is reported only."""
+    guard, services = res["guard"], res["services"]
+    premise = guard["pending_at_capture"] and guard["polls_during"] > 0
+    ok = bool(premise and guard["capture_error"] is None and guard["poll_error"] is None
+              and guard["poller_error"] is None and guard["replay_ok"])
+    return ok, (("" if premise else "premise FALSE (no poll of a pending work during the "
+                 "capture); ")
+                + f"global-mode capture on the main thread; ppsync's deadline guard polling: "
+                f"{_outcome(guard)} | the services' loop on another thread (not ppsync's "
+                f"way; reported only): {_outcome(services)}")
 
 
 def check_m() -> tuple[bool, str]:

@@ -29,7 +29,8 @@ k) the abort of a pending one-rank broadcast: what NCCL says, how long it
    took, and that ppsync counts the work failed with the abort's cause.
 l) ``is_completed()`` µs per call.
    (j-l: ppsync.bench.gpu_failure_checks)
-m) a CUDA graph captured while ppsync's services poll a pending work
+m) a CUDA graph captured while ppsync's deadline guard polls a pending
+   work (and, reported only, the services' loop from another thread)
    (ppsync.bench.gpu_capture_check).
 
 Exit status: 0 every check that ran passed, 1 one failed, 2 nothing run
@@ -63,10 +64,10 @@ MIN_BOUND_S = 15.0
 """A check is not started with less than this (or its own bound) left of the budget."""
 NAME_WIDTH = 58
 ONE_GPU_GAPS = (
-    "not checkable on one GPU: an abort across ranks, NCCL's watchdog, a pending "
-    "cross-rank receive; the CPU twin stands in (tests/core/completion/test_twin.py, "
-    "tests/faults/test_fault_peer_death.py, tests/faults/test_fault_exit.py in their "
-    "--emulate twin modes)")
+    "not checkable on one GPU, the CPU twin (--emulate nccl|xccl) stands in: an abort across "
+    "ranks (tests/faults/test_fault_abort_release.py, tests/faults/test_fault_exit.py), "
+    "NCCL's watchdog (tests/faults/test_fault_watchdog.py), a pending cross-rank receive "
+    "(tests/faults/test_fault_peer_death.py, tests/core/completion/test_twin.py)")
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def checks(steps: int, gpus: int) -> list[Check]:
         Check("j) 1-rank NCCL: Work.exception(), ppsync's completion", failure.check_j, 60),
         Check("k) 1-rank NCCL: abort of a pending broadcast", failure.check_k, 60),
         Check("l) 1-rank NCCL: is_completed() µs per call", failure.check_l, 60),
-        Check("m) CUDA graph captured while the services poll", capture.check_m, 60),
+        Check("m) CUDA graph captured while a pending work is polled", capture.check_m, 60),
     ]
 
 

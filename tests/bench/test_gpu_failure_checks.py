@@ -7,6 +7,7 @@ work and a capture."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from ppsync.bench import gpu_capture_check as capture
 from ppsync.bench import gpu_failure_checks as failure
 from ppsync.bench.fresh import in_fresh_process
 from ppsync.core.completion import StreamOrdered
+from ppsync.core.completion.guard import DeadlineGuard
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU dry run; on a GPU run make gpu-check")
@@ -113,13 +115,26 @@ def _survives(go_on: Any) -> tuple[str | None, bool | None]:
     return None, True
 
 
-def test_a_capture_that_survives_the_polls_passes() -> None:
-    res = capture.polled_capture(PendingFor(5.0), StreamOrdered("nccl"), _survives,
-                                 bound_s=4.0)
+def _guarded(timeout_s: float) -> StreamOrdered:
+    """NCCL's completion with a deadline guard as ``bind`` makes it (CPU: no
+    capture mode to set), without a group."""
+    completion = StreamOrdered("nccl")
+    completion.guard = DeadlineGuard(timeout_s, lambda e: None, contextlib.nullcontext)
+    return completion
+
+
+@pytest.mark.parametrize("poller", ["guard", "services"])
+def test_a_capture_that_survives_the_polls_passes(poller: str) -> None:
+    completion = _guarded(2.0)  # the guard looks every 0.25 s
+    start = (capture.guard_poller(completion) if poller == "guard"
+             else capture.services_poller(completion))
+    res = capture.polled_capture(PendingFor(1.5), start, _survives, bound_s=1.2)
+    completion.close()
     assert res["pending_at_capture"] and res["polls_during"] >= 1
-    assert res["poll_error"] is None and res["services_error"] is None
-    ok, detail = capture.capture_verdict(res)
-    assert ok and detail.startswith("capture survived")
+    assert res["poll_error"] is None and res["poller_error"] is None
+    assert res["replay_ok"] is True and res["capture_error"] is None
+    ok, detail = capture.capture_verdict({"guard": res, "services": res})
+    assert ok and "ppsync's deadline guard polling: survived" in detail
 
 
 def test_a_capture_invalidated_by_a_poll_fails_and_says_what_broke() -> None:
@@ -128,24 +143,29 @@ def test_a_capture_invalidated_by_a_poll_fails_and_says_what_broke() -> None:
     def invalidated(go_on: Any) -> tuple[str | None, bool | None]:
         work.capturing = True
         deadline = time.monotonic() + 4.0
-        while not work.capturing or (go_on() and time.monotonic() < deadline):
+        while go_on() and time.monotonic() < deadline:
             time.sleep(0.001)
         return "RuntimeError: operation failed due to a previous error during capture", None
 
-    res = capture.polled_capture(work, StreamOrdered("nccl"), invalidated, min_polls=1,
-                                 bound_s=4.0)
+    res = capture.polled_capture(work, capture.services_poller(StreamOrdered("nccl")),
+                                 invalidated, min_polls=1, bound_s=4.0)
     assert res["polls_during"] >= 1
     assert res["poll_error"].startswith("RuntimeError: CUDA error: operation not permitted")
-    assert res["services_error"] is not None  # the services' wait saw the poll raise
-    ok, detail = capture.capture_verdict(res)
-    assert not ok and "capture INVALIDATED: RuntimeError" in detail
+    assert res["poller_error"] is not None  # the services' wait saw the poll raise
+    ok, detail = capture.capture_verdict({"guard": res, "services": res})
+    assert not ok and "guard polling: INVALIDATED (RuntimeError" in detail
+    # the services' loop on another thread is reported, not judged
+    fine = {**res, "capture_error": None, "poll_error": None, "poller_error": None,
+            "replay_ok": True}
+    ok, detail = capture.capture_verdict({"guard": fine, "services": res})
+    assert ok and "reported only): INVALIDATED" in detail
 
 
-def test_dry_run_capture_probe_runs_and_fails_without_a_graph() -> None:
+def test_dry_run_capture_probe_runs_both_pollers_and_fails_without_a_graph() -> None:
     res = in_fresh_process(capture.capture_probe, "gloo", timeout_s=120)
-    assert res["capture_error"] is None and res["replay_ok"] is None  # no graph on CPU
-    assert res["poll_error"] is None and res["services_error"] is None
-    ok, detail = capture.capture_verdict(res)
-    assert not ok  # nothing captured, nothing replayed; and mostly nothing was pending
-    assert detail.startswith("premise FALSE") is (res["polls_during"] == 0
-                                                  or not res["pending_at_capture"])
+    assert set(res) == {"guard", "services"}
+    for seen in res.values():
+        assert seen["capture_error"] is None and seen["replay_ok"] is None  # no graph on CPU
+        assert seen["poll_error"] is None and seen["poller_error"] is None
+    ok, _ = capture.capture_verdict(res)
+    assert not ok  # nothing captured, nothing replayed
