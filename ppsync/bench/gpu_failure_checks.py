@@ -1,4 +1,4 @@
-"""``make gpu-check``'s one-GPU checks of NCCL's failure path (j-m), each on a
+"""``make gpu-check``'s one-GPU checks of NCCL's failure path (j-l), each on a
 one-rank NCCL token group, in a fresh process of its own (issue 32; the
 table: ppsync.bench.gpu_check):
 
@@ -9,7 +9,8 @@ k) a broadcast queued behind ``torch.cuda._sleep``, then ppsync's abort of
    the abort held the caller and how long NCCL's abort ran, and that
    ppsync's completion counts the work failed with the abort's cause.
 l) ``is_completed()`` µs per call, on a completed and on a pending work.
-(m, a CUDA graph captured while the services poll: ppsync.bench.gpu_capture_check.)
+(m, a CUDA graph captured while a pending work is polled, and the shared
+helpers' users: ppsync.bench.gpu_capture_check.)
 
 Each probe returns what it saw (a dict) and a ``*_verdict`` judges it; the
 probes also run on CPU over gloo (the tests' dry run), where nothing stays
