@@ -1,0 +1,1 @@
+"""ppsync sglang-check."""
