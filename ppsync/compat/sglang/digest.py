@@ -49,15 +49,19 @@ class Req(Protocol):
     """What the digest reads of one SGLang request (and its slot, see
     :func:`slot_of`)."""
 
-    rid: str
-    origin_input_ids: Sequence[int]
-    output_ids: Sequence[int]
+    @property
+    def rid(self) -> str: ...
+    @property
+    def origin_input_ids(self) -> Sequence[int]: ...
+    @property
+    def output_ids(self) -> Sequence[int]: ...
 
 
 class Batch(Protocol):
     """What the digest reads of one SGLang ``ScheduleBatch``."""
 
-    reqs: Sequence[Req]
+    @property
+    def reqs(self) -> Sequence[Req]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ppsync.compat.sglang.digest import KINDS, StepView
 from ppsync.compat.sglang.guard import GuardOptions, SglangGuard
+from ppsync.core.transport import translate
 
 __all__ = ["HOOKS", "RECEIVE", "SEND", "VIEW_KEY", "BoundedWork", "bounded", "guard_of"]
 
@@ -147,14 +148,19 @@ def bounded(real: Original, what: str) -> Original:
     a hook's transfer runs on this thread; torch's own work otherwise."""
 
     def transfer(*args: Any, **kwargs: Any) -> Any:
-        work = real(*args, **kwargs)
         guard = _context.guard
-        if guard is None or work is None:
-            return work
+        if guard is None:
+            return real(*args, **kwargs)
         peer = _arg(args, kwargs, 1, "src" if what == RECEIVE else "dst")
         if not isinstance(peer, int) or not _is_gloo(_arg(args, kwargs, 2, "group")):
-            return work
-        return BoundedWork(work, guard, peer, what)
+            return real(*args, **kwargs)
+        try:  # gloo raises at the post too, when the peer's connection is already closed
+            work = real(*args, **kwargs)
+        except RuntimeError as e:
+            name = f"{what} PP stage {guard.stage_of(peer)} (global rank {peer})"
+            err = translate(e, what=name, timeout_s=guard.options.timeout_s, peer=peer)
+            raise guard.failed(err, True) from e
+        return work if work is None else BoundedWork(work, guard, peer, what)
 
     transfer.__wrapped__ = real  # type: ignore[attr-defined]
     return transfer
