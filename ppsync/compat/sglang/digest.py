@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 from ppsync.errors import DesyncError
@@ -86,7 +86,8 @@ class StepView:
 
     def as_tuple(self) -> tuple[int, ...]:
         """The view as it travels: a tuple of ints in the message's metadata."""
-        return astuple(self)
+        return (self.kind, self.step, self.num_reqs, self.rids, self.slots, self.mode,
+                self.tokens, self.token_counts)
 
     @classmethod
     def from_tuple(cls, values: object) -> StepView:
@@ -109,10 +110,6 @@ FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepView))
 """The view's fields in the order they are compared and carried."""
 
 
-def _crc(values: Sequence[object]) -> int:
-    return zlib.crc32("\x1f".join(map(str, values)).encode())
-
-
 def slot_of(req: Req) -> int | None:
     """The request's request-pool slot (None: none yet)."""
     holder = getattr(req, "kv", req)
@@ -132,13 +129,18 @@ def view_of(batch: Batch | None, kind: str, step: int) -> StepView:
     ``step`` of ``kind``."""
     reqs: Sequence[Req] = () if batch is None else batch.reqs
     mode = getattr(batch, "forward_mode", None)
-    counts = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+    rids: list[str] = []
+    slots: list[int | None] = []
+    counts: list[int] = []
+    for r in reqs:  # one pass: this runs twice per message
+        rids.append(r.rid)
+        slots.append(slot_of(r))
+        counts.append(len(r.origin_input_ids) + len(r.output_ids))
     return StepView(
         kind=KINDS.index(kind), step=step, num_reqs=len(reqs),
-        rids=_crc([r.rid for r in reqs]),
-        slots=_crc([slot_of(r) for r in reqs]),
+        rids=zlib.crc32("\x1f".join(rids).encode()), slots=zlib.crc32(str(slots).encode()),
         mode=_int_or(getattr(mode, "value", mode), -1),
-        tokens=sum(counts), token_counts=_crc(counts),
+        tokens=sum(counts), token_counts=zlib.crc32(str(counts).encode()),
     )
 
 
