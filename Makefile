@@ -118,9 +118,9 @@ vllm-check: $(VLLM_STAMP)
 # runs SGLang $(SGLANG) in $(SGLANG_VENV) at pp_size 2 on a tiny dummy Llama,
 # without and with the plugin, in the cases $(SGLANG_CASES) (docs/operations.md,
 # "SGLang check"; about 10 minutes on 2 cores). Its own venv: SGLang pins a CUDA
-# torch and pulls CUDA libraries (about 11 GB in all); the CPU torch is put back
-# over it (--no-deps), torchaudio and torchcodec (CUDA-linked, unused by a text
-# model) removed, and the CPU shims of tools/sglang-cpu/ installed: a
+# torch and pulls CUDA libraries (11 GB). The CPU torch is put back over it
+# (--no-deps; 8.7 GB then), torchaudio and torchcodec (CUDA-linked, unused by a
+# text model) removed, and the CPU shims of tools/sglang-cpu/ installed: a
 # sitecustomize that lets the CUDA-linked torchvision import, and a stand-in
 # sgl_kernel (the CPU build of SGLang's kernels is not on PyPI).
 SGLANG_VENV   ?= .venv-sglang

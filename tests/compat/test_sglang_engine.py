@@ -29,7 +29,7 @@ def _sglang_python() -> str | None:
 PYTHON = _sglang_python()
 pytestmark = [
     pytest.mark.skipif(PYTHON is None, reason="no SGLang here: `make sglang-check` builds "
-                       ".venv-sglang (SGLang 0.5.23, about 11 GB), or set PPSYNC_SGLANG_PYTHON "
+                       ".venv-sglang (SGLang 0.5.23, about 9 GB), or set PPSYNC_SGLANG_PYTHON "
                        "to a python that has SGLang"),
     pytest.mark.timeout(1200),
 ]
