@@ -77,11 +77,14 @@ def main(spec_path: str) -> int:
     import sglang
 
     t0 = time.monotonic()
+    # mem_fraction_static is large on purpose: SGLang's start-up check reads the
+    # memory other processes took while the weights loaded as the weights'
+    # (0.05 failed on this shared machine); max_total_tokens caps the KV pool
     llm = sglang.Engine(
         model_path=str(model), load_format="dummy", skip_tokenizer_init=True, device="cpu",
         dtype="bfloat16", pp_size=spec["pp_size"], tp_size=1,
         attention_backend="torch_native", sampling_backend="pytorch",
-        disable_cuda_graph=True, disable_overlap_schedule=True, mem_fraction_static=0.05,
+        disable_cuda_graph=True, disable_overlap_schedule=True, mem_fraction_static=0.6,
         max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=256,
         random_seed=spec["seed"], log_level="warning")
     emit("up", seconds=time.monotonic() - t0)
