@@ -18,10 +18,12 @@ class Verdict:
 
 
 def _stage_named(run: RunResult) -> str:
+    when = ("" if run.named_after_fault is None
+            else f", {run.named_after_fault:.1f} s after the fault")
     for stage, kind, message in run.ppsync_errors():
         m = STAGE_NAMED.search(message)
         if m:
-            return f"PP stage {m.group(1)} (global rank {m.group(2)}), {m.group(3)}"
+            return f"PP stage {m.group(1)} (global rank {m.group(2)}), {m.group(3)}{when}"
         if kind == "DesyncError":
             return f"DesyncError on stage {stage}"
     return "none"

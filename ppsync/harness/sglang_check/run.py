@@ -62,6 +62,9 @@ class RunResult:
     """The child exited, or reported shutdown, before the bound."""
     seconds_after_fault: float | None = None
     """From the fault to the end (exit, error or shutdown); None: no fault or no end."""
+    named_after_fault: float | None = None
+    """From the fault to the first error the guard printed (a stage's verdict,
+    seen in the run's stderr, polled every 0.1 s); None: none after a fault."""
     processes_left: int = 0
     """Processes of the run's session alive at its end, before they were killed."""
     processes_after_cleanup: int = 0
@@ -183,6 +186,10 @@ def run_engine(spec: RunSpec) -> RunResult:
         fault = result.event("fault")
         if fault is not None and fault_at is None:
             fault_at = time.monotonic()
+        if fault_at is not None and result.named_after_fault is None and any(
+                PPSYNC_ERROR.match(line)
+                for line in err_path.read_text(errors="replace").splitlines()):
+            result.named_after_fault = time.monotonic() - fault_at
         ended = code is not None or result.event("shutdown") is not None or (
             fault_at is not None and result.event("error") is not None)
         if ended:
