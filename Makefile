@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check gpu-wheels vllm-check torch-range-test FORCE
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check gpu-wheels vllm-check torch-range-test sglang-check FORCE
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -168,7 +168,40 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENT)
 vllm-check: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/ppsync vllm-check --pp-size $(PP) --spec $(SPEC) $(VLLM_CHECK_FLAGS)
 
+# Before switching SGLang's PP loop to ppsync's guard (not part of `make test`):
+# runs SGLang $(SGLANG) in $(SGLANG_VENV) at pp_size 2 on a tiny dummy Llama,
+# without and with the plugin, in the cases $(SGLANG_CASES) (docs/operations.md,
+# "SGLang check"; about 10 minutes on 2 cores). Its own venv: SGLang pins a CUDA
+# torch and pulls CUDA libraries (11 GB). The CPU torch is put back over it
+# (--no-deps; 8.7 GB then), torchaudio and torchcodec (CUDA-linked, unused by a
+# text model) removed, and the CPU shims of tools/sglang-cpu/ installed: a
+# sitecustomize that lets the CUDA-linked torchvision import, and a stand-in
+# sgl_kernel (the CPU build of SGLang's kernels is not on PyPI).
+SGLANG_VENV   ?= .venv-sglang
+SGLANG        ?= sglang==0.5.23
+SGLANG_CASES  ?= none kill-last stop-last desync
+SGLANG_STAMP  := $(SGLANG_VENV)/.ppsync-sglang-installed
+SGLANG_SITE    = $$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+$(SGLANG_STAMP): pyproject.toml tools/sglang-cpu/sitecustomize.py tools/sglang-cpu/sgl_kernel/__init__.py
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q $(TORCH_PIP_NET) --extra-index-url $(TORCH_INDEX) \
+		$(if $(wildcard $(TORCH_FIND_LINKS)),--find-links $(TORCH_FIND_LINKS)) '$(TORCH)'
+	$(SGLANG_VENV)/bin/pip install -q '$(SGLANG)'
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --force-reinstall $(TORCH_PIP_NET) \
+		--extra-index-url $(TORCH_INDEX) \
+		$(if $(wildcard $(TORCH_FIND_LINKS)),--find-links $(TORCH_FIND_LINKS)) '$(TORCH)'
+	$(SGLANG_VENV)/bin/pip uninstall -q -y torchaudio torchcodec
+	cp tools/sglang-cpu/sitecustomize.py $(SGLANG_SITE)/sitecustomize.py
+	rm -rf $(SGLANG_SITE)/sgl_kernel && mkdir -p $(SGLANG_SITE)/sgl_kernel
+	cp tools/sglang-cpu/sgl_kernel/__init__.py $(SGLANG_SITE)/sgl_kernel/__init__.py
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+sglang-check: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/ppsync sglang-check $(foreach c,$(SGLANG_CASES),--fault $(c))
+
 FORCE:
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-torch-* .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-torch-* .pytest_cache .mypy_cache .ruff_cache

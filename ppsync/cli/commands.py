@@ -56,6 +56,14 @@ def _vllm_check(args: argparse.Namespace) -> int:
         work_dir=args.work_dir, spec=args.spec, spec_method=args.spec_method))
 
 
+def _sglang_check(args: argparse.Namespace) -> int:
+    from ppsync.harness.sglang_check import SglangCheckOptions, run_check
+
+    return run_check(SglangCheckOptions(
+        cases=args.fault or ["none", "desync"], timeout_s=args.timeout, hang_s=args.hang,
+        max_tokens=args.max_tokens, work_dir=args.work_dir))
+
+
 def _bench(args: argparse.Namespace) -> int:
     from ppsync.bench.runner import BenchOptions, format_tables, run_bench
 
@@ -250,6 +258,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _bench(args)
         if args.command == "vllm-check":
             return _vllm_check(args)
+        if args.command == "sglang-check":
+            return _sglang_check(args)
         if args.command in ("dump", "schema"):
             return int(args.run(args))
     except ConfigError as e:

@@ -245,6 +245,25 @@ def _parser() -> argparse.ArgumentParser:
     vc.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                     help="where the model config, vLLM's logs and the records go "
                     "(default: a new temporary directory, kept)")
+    sc = sub.add_parser("sglang-check", help="run the installed SGLang engine at pp_size 2 on a "
+                        "tiny dummy Llama without and with ppsync's guard, side by side: tokens, "
+                        "the guard on every stage, a desync case, and with --fault a killed or "
+                        "stopped last stage (0 pass, 1 fail, 2 no SGLang here: "
+                        "`make sglang-check`)")
+    sc.add_argument("--fault", action="append", default=None,
+                    choices=("none", "kill-last", "stop-last", "desync"), metavar="CASE",
+                    help="a case to run: none (tokens and the guard), kill-last, stop-last "
+                    "(SIGKILL / SIGSTOP the last stage's scheduler after a first generate), "
+                    "desync (a stage's view perturbed); repeat for more (default: none and "
+                    "desync)")
+    sc.add_argument("--timeout", type=_seconds, default=10.0, metavar="S",
+                    help="the guard's PPSYNC_TIMEOUT_S in the guarded runs")
+    sc.add_argument("--hang", type=_seconds, default=60.0, metavar="S",
+                    help="how long SGLang alone may go on after a fault before it is "
+                    "reported still hung")
+    sc.add_argument("--max-tokens", type=_positive, default=8, help="new tokens per prompt")
+    sc.add_argument("--work-dir", type=Path, default=Path("sglang-check-work"), metavar="DIR",
+                    help="where the model config, the engines' logs and the dumps go")
     add_debug_commands(sub)
     return p
 

@@ -29,8 +29,8 @@ from ppsync.core.completion import emulate
 from ppsync.core.completion.base import NCCL_TIMEOUT_MARGIN_S
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
-from ppsync.errors import PPSyncError
-from ppsync.harness.launcher import RankEnv, RankFailed, spawn_ranks
+from ppsync.errors import PPSyncError, RankFailed
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 
 TIMEOUT_S = 1.0
