@@ -21,8 +21,13 @@ import, from pp_utils):
   ``PPHandler(max_num_reqs=..., device=...)``; where that module cannot be
   imported (a vLLM built for another device) it is left alone, and logged.
 
-The model runner then builds ppsync's handler exactly where it built its own
-and drives it through the same calls. Registering again changes nothing. A
+The operator's settings (``PPSYNC_CODEC``, ``PPSYNC_HOST_KERNELS``,
+``PPSYNC_DEVICE_KERNELS``, ``PPSYNC_TIMEOUT_S``, ``PPSYNC_EMULATE``,
+``PPSYNC_DUMP_DIR``: ppsync.compat.vllm.settings) are read and checked here,
+first: a bad value is a ConfigError in every process at load, before
+anything is replaced. The model runner then builds ppsync's handler, with
+those settings, exactly where it built its own and drives it through the
+same calls. Registering again changes nothing. A
 vLLM older than 0.23 (no PPHandler) is a ConfigError; one newer than the
 table is left with its own handler, and a warning says why, unless
 ``PPSYNC_VLLM_INTERFACE`` names the interfaces to serve it with.
@@ -37,11 +42,13 @@ import importlib
 import logging
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ppsync.compat.vllm.handler import PPHandler, handler_class
+from ppsync.compat.vllm.settings import PluginSettings, plugin_settings
 from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.compat.vllm.versions import (
     DEFAULT_INTERFACE,
@@ -86,17 +93,26 @@ def _vllm_pp_group() -> dist.ProcessGroup:
     return group
 
 
+def _settings_kwargs() -> dict[str, Any]:
+    """The handler's keywords from the operator's variables (read once)."""
+    s = plugin_settings()
+    return {"codec": s.codec, "host_kernels": s.host_kernels,
+            "device_kernels": s.device_kernels, "timeout_s": s.timeout_s,
+            "emulate": s.emulate}
+
+
 class VllmPPHandler(PPHandler):
     """ppsync's handler, built with the arguments vLLM's GPU model runner
-    passes its own and with vLLM's PP group (``get_pp_group().device_group``);
-    the interface follows the installed vLLM's version."""
+    passes its own, with vLLM's PP group (``get_pp_group().device_group``)
+    and with the operator's settings (ppsync.compat.vllm.settings); the
+    interface follows the installed vLLM's version."""
 
     def __init__(self, max_num_reqs: int, num_speculative_steps: int,
                  device: torch.device) -> None:
         # the default failure board lives in the token group's own store (the
         # world's), so a desync or a lost peer one rank sees reaches every rank
         super().__init__(max_num_reqs, num_speculative_steps, device,
-                         group=_vllm_pp_group())
+                         group=_vllm_pp_group(), **_settings_kwargs())
 
 
 class VllmCpuPPHandler(PPHandler034Cpu):
@@ -104,7 +120,7 @@ class VllmCpuPPHandler(PPHandler034Cpu):
     ``max_num_reqs`` and ``device``."""
 
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
-        super().__init__(max_num_reqs, device, group=_vllm_pp_group())
+        super().__init__(max_num_reqs, device, group=_vllm_pp_group(), **_settings_kwargs())
 
 
 _bound: dict[str, type[PPHandler]] = {}
@@ -156,11 +172,20 @@ def register() -> None:
     nothing."""
     if os.environ.get(ENV_SWITCH) != "1":
         return
+    # every process of the engine reads the same variables: a bad one fails
+    # each of them here, before any handler is built
+    settings = plugin_settings()
     chosen = chosen_interfaces()  # chosen once, by the installed version or the variable
     if chosen is None:
         return
     for runner, interface in chosen.items():
         _bind(runner, vllm_handler_class(interface))
+    if chosen and settings != _logged[0]:
+        _logged[0] = settings
+        log.info("ppsync: vLLM's handlers built with %s", settings.describe())
+
+
+_logged: list[PluginSettings | None] = [None]
 
 
 def _bind(runner: Runner, cls: type[PPHandler]) -> None:

@@ -1,0 +1,181 @@
+"""The operator's settings of ppsync's vLLM handler (ppsync.compat.vllm.settings):
+one test per variable on the parser, then that a bad value stops the plugin
+at load (nothing replaced) and a handler at construction, before any
+collective, on real gloo ranks."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from vllm_standin import drop_vllm_modules, write_standin
+
+from ppsync.compat.vllm import PPHandler
+from ppsync.compat.vllm.plugin import ENV_SWITCH, PP_UTILS, register
+from ppsync.compat.vllm.settings import (
+    ENV_CODEC,
+    ENV_DEVICE_KERNELS,
+    ENV_EMULATE,
+    ENV_HOST_KERNELS,
+    ENV_TIMEOUT,
+    SETTINGS_ENV,
+    PluginSettings,
+    plugin_settings,
+    settings_from_env,
+)
+from ppsync.core.device_kernels import triton_error
+from ppsync.core.host_kernels import numba_error
+from ppsync.errors import ConfigError
+from ppsync.harness.launcher import RankEnv, spawn_ranks
+
+
+def _cpu() -> None:
+    return None
+
+
+def parse(**env: str) -> PluginSettings:
+    return settings_from_env(env, accelerator=_cpu)
+
+
+def test_unset_gives_todays_defaults() -> None:
+    assert parse() == PluginSettings(codec=None, host_kernels="auto", device_kernels="auto",
+                                     timeout_s=60.0, emulate=None, dump_dir=None)
+    assert parse(PPSYNC_CODEC="", PPSYNC_TIMEOUT_S=" ") == parse()  # empty: unset
+
+
+def test_codec() -> None:
+    assert parse(PPSYNC_CODEC="host").codec == "host"
+    assert parse(PPSYNC_CODEC="device").codec == "device"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_CODEC = 'gpu' must be one of host, device$"):
+        parse(PPSYNC_CODEC="gpu")
+
+
+def test_host_kernels() -> None:
+    assert parse(PPSYNC_HOST_KERNELS="numpy").host_kernels == "numpy"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS = 'jit' must be one of auto, "
+                                          r"numba, numpy$"):
+        parse(PPSYNC_HOST_KERNELS="jit")
+    if numba_error() is None:
+        assert parse(PPSYNC_HOST_KERNELS="numba").host_kernels == "numba"
+
+
+def test_device_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse(PPSYNC_DEVICE_KERNELS="torch").device_kernels == "torch"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_DEVICE_KERNELS = 'cuda' must be one of auto, "
+                                          r"triton, torch$"):
+        parse(PPSYNC_DEVICE_KERNELS="cuda")
+    if triton_error() is not None:
+        pytest.skip(f"Triton cannot be loaded here ({triton_error()})")
+    # on CPU, Triton's kernels need its interpreter: named outright without
+    # it, the variable is refused at load, not in the first handler
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match=r"^PPSYNC_DEVICE_KERNELS = 'triton': device_kernels = "
+                                          r"'triton' on a cpu device needs Triton's interpreter"):
+        parse(PPSYNC_DEVICE_KERNELS="triton")
+    assert parse(PPSYNC_DEVICE_KERNELS="triton", PPSYNC_CODEC="host").device_kernels == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert parse(PPSYNC_DEVICE_KERNELS="triton").device_kernels == "triton"
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "abc", "nan", "inf", "86401"])
+def test_timeout(bad: str) -> None:
+    assert parse(PPSYNC_TIMEOUT_S="2.5").timeout_s == 2.5
+    with pytest.raises(ConfigError, match=rf"^PPSYNC_TIMEOUT_S = '{bad}' must be a number of "
+                                          r"seconds > 0 and <= 86400$"):
+        parse(PPSYNC_TIMEOUT_S=bad)
+
+
+def test_emulate() -> None:
+    s = parse(PPSYNC_EMULATE="xccl")
+    assert (s.emulate, s.codec) == ("xccl", "device")  # the twin carries device frames
+    assert parse(PPSYNC_EMULATE="nccl", PPSYNC_CODEC="device").emulate == "nccl"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_EMULATE = 'gloo' must be one of nccl, xccl$"):
+        parse(PPSYNC_EMULATE="gloo")
+    with pytest.raises(ConfigError, match=r"^PPSYNC_EMULATE = 'nccl' needs the device codec .*"
+                                          r"PPSYNC_CODEC = 'host'"):
+        parse(PPSYNC_EMULATE="nccl", PPSYNC_CODEC="host")
+    with pytest.raises(ConfigError, match=r"^PPSYNC_EMULATE = 'nccl' runs the CPU twin of nccl, "
+                                          r"CPU only: this process sees a cuda device"):
+        settings_from_env({ENV_EMULATE: "nccl"}, accelerator=lambda: "cuda")
+
+
+def test_dump_dir(tmp_path: Path) -> None:
+    assert parse(PPSYNC_DUMP_DIR=str(tmp_path / "d")).dump_dir == tmp_path / "d"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"PPSYNC_DUMP_DIR"):
+        parse(PPSYNC_DUMP_DIR=str(tmp_path / "file" / "d"))
+
+
+def test_settings_are_read_once_per_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_TIMEOUT, "7")
+    first = plugin_settings()
+    assert first.timeout_s == 7.0 and plugin_settings() is first
+    monkeypatch.setenv(ENV_TIMEOUT, "8")
+    assert plugin_settings().timeout_s == 8.0
+
+
+# -- at plugin load: every process refuses, nothing replaced --------------------------
+
+
+@pytest.fixture
+def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    assert "vllm" not in sys.modules
+    monkeypatch.syspath_prepend(str(write_standin(tmp_path)))
+    for name in SETTINGS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path
+    drop_vllm_modules()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    (ENV_CODEC, "gpu"), (ENV_HOST_KERNELS, "jit"), (ENV_DEVICE_KERNELS, "cuda"),
+    (ENV_TIMEOUT, "-1"), (ENV_EMULATE, "gloo"),
+])
+def test_a_bad_value_fails_the_plugin_at_load_and_replaces_nothing(
+    standin: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"^{name} = '{re.escape(value)}' must be "):
+        register()
+    assert getattr(importlib.import_module(PP_UTILS).PPHandler, "standin", False)
+
+
+def test_without_the_switch_the_settings_are_not_read(standin: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_CODEC, "gpu")
+    register()  # PPSYNC_VLLM unset: vLLM's own handler, whatever the other variables say
+    assert "vllm" not in sys.modules
+
+
+# -- at construction, before any collective ------------------------------------------
+
+
+def twin_refused_rank(env: RankEnv) -> list[str]:
+    """Every rank: the twin's requirements refused at construction; then
+    the world group still works (no rank was left in a collective)."""
+    seen = []
+    for kwargs, device in (({"codec": "host"}, "cpu"), ({"codec": "device"}, "meta")):
+        with pytest.raises(ConfigError) as info:
+            PPHandler(4, 0, torch.device(device), emulate="nccl", timeout_s=5.0,
+                      **kwargs)  # type: ignore[arg-type]
+        seen.append(str(info.value))
+    out: list[object] = [None, None]
+    dist.all_gather_object(out, env.rank)
+    assert out == [0, 1]
+    return seen
+
+
+def test_the_twins_requirements_are_refused_before_any_collective() -> None:
+    first, second = spawn_ranks(twin_refused_rank, 2, timeout_s=45.0)
+    assert first == second
+    assert re.match(r"codec = 'host' frames are host buffers; the token group \(gloo emulating "
+                    r"nccl", first[0]), first[0]
+    assert re.match(r"emulate = 'nccl' runs the CPU twin on CPU tensors; device = meta",
+                    first[1]), first[1]
