@@ -36,6 +36,7 @@ from ppsync.compat.vllm.plugin import (
     register,
     vllm_handler_class,
 )
+from ppsync.compat.vllm.settings import ENV_ON_ERROR
 from ppsync.compat.vllm.versions import ENV_INTERFACE
 from ppsync.errors import ConfigError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -261,6 +262,7 @@ def plugin_desync_rank(root: Path, env: RankEnv) -> str:
     disagrees with the last rank once; returns the rank's DesyncError."""
     use_standin(root)
     os.environ[ENV_SWITCH] = "1"
+    os.environ[ENV_ON_ERROR] = "raise"  # the error itself, not the worker's exit on it
     register()
     runner = importlib.import_module(MODEL_RUNNER).GPUModelRunner(
         max_num_reqs=8, num_speculative_steps=2, device=CPU)

