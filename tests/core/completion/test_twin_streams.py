@@ -15,7 +15,11 @@ def test_a_side_stream_runs_its_work_in_the_submitters_inference_mode() -> None:
     try:
         with torch.inference_mode():
             buf = torch.zeros(4, dtype=torch.int64)  # an inference tensor
-            side.submit(lambda: [buf.fill_(7)] and None)
+
+            def fill() -> None:
+                buf.fill_(7)  # in place, on the side stream
+
+            side.submit(fill)
             event = side.record_event()
         event.synchronize()
         side.raise_error()
