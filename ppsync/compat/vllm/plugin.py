@@ -66,6 +66,7 @@ from ppsync.compat.vllm.versions import (
     newer_than_table,
     resolve_interface,
 )
+from ppsync.compat.vllm.watchdog import PendingWatch
 from ppsync.errors import ConfigError
 
 __all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "EXIT_STATUS", "HANDLER_CALLS",
@@ -118,6 +119,7 @@ class VllmPPHandler(PPHandler):
         # world's), so a desync or a lost peer one rank sees reaches every rank
         super().__init__(max_num_reqs, num_speculative_steps, device,
                          group=_vllm_pp_group(), **_settings_kwargs())
+        self._watch = _watch(self)
 
 
 class VllmCpuPPHandler(PPHandler034Cpu):
@@ -126,6 +128,16 @@ class VllmCpuPPHandler(PPHandler034Cpu):
 
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
         super().__init__(max_num_reqs, device, group=_vllm_pp_group(), **_settings_kwargs())
+        self._watch = _watch(self)
+
+
+def _watch(handler: PPHandler) -> PendingWatch | None:
+    """A first or middle rank's watchdog (PPSYNC_VLLM_ON_ERROR=exit): a
+    transfer pending past timeout_s while vLLM makes no call ends the worker."""
+    if handler.is_last_rank or plugin_settings().on_error != "exit":
+        return None
+    return PendingWatch(handler.token_path,
+                        lambda err: _leave(handler, "its watchdog", err))
 
 
 HANDLER_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
@@ -146,13 +158,19 @@ def _leaving(call: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(call)
     def leaving(self: PPHandler, *args: Any, **kwargs: Any) -> Any:
+        watch: PendingWatch | None = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.busy = True  # the call's own bound applies
         try:
             return call(self, *args, **kwargs)
         except Exception as e:
             if self.is_last_rank or plugin_settings().on_error != "exit":
                 raise
-            _leave(self, call.__name__, e)
+            _leave(self, f"{call.__name__}()", e)
             raise  # pragma: no cover - _leave does not return
+        finally:
+            if watch is not None:
+                watch.busy = False
 
     return leaving
 
@@ -160,7 +178,7 @@ def _leaving(call: Callable[..., Any]) -> Callable[..., Any]:
 def _leave(handler: PPHandler, call: str, error: BaseException) -> None:
     path = handler.token_path
     first = (str(error).splitlines() or [""])[0]
-    log.error("ppsync: PP rank %d (global rank %d): %s() raised %s: %s; this worker exits "
+    log.error("ppsync: PP rank %d (global rank %d): %s raised %s: %s; this worker exits "
               "(status %d; %s=exit) so that vLLM's executor, which hears errors from the last "
               "PP rank only, ends the engine", path.rank, path.global_rank, call,
               type(error).__name__, first, EXIT_STATUS, ENV_ON_ERROR)
