@@ -27,7 +27,9 @@ which a test does; vLLM does not).
   last PP rank's worker: an error raised on another rank is logged there and
   the engine waits for ever. With ``exit`` that worker logs the error and
   exits (status 70), so vLLM's executor sees a worker die and ends the
-  engine; ``raise`` leaves it as vLLM's own handler does.
+  engine, and such a worker runs a watchdog for a receive pending past
+  the timeout while vLLM makes no call (ppsync.compat.vllm.watchdog);
+  ``raise`` leaves it as vLLM's own handler does.
 
 An empty value counts as unset.
 """
