@@ -51,7 +51,8 @@ def parse(**env: str) -> PluginSettings:
 
 def test_unset_gives_todays_defaults() -> None:
     assert parse() == PluginSettings(codec=None, host_kernels="auto", device_kernels="auto",
-                                     timeout_s=60.0, emulate=None, dump_dir=None)
+                                     timeout_s=60.0, emulate=None, dump_dir=None,
+                                     on_error="exit")
     assert parse(PPSYNC_CODEC="", PPSYNC_TIMEOUT_S=" ") == parse()  # empty: unset
 
 
@@ -118,6 +119,14 @@ def test_dump_dir(tmp_path: Path) -> None:
         parse(PPSYNC_DUMP_DIR=str(tmp_path / "file" / "d"))
 
 
+def test_on_error() -> None:
+    assert parse().on_error == "exit"
+    assert parse(PPSYNC_VLLM_ON_ERROR="raise").on_error == "raise"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_VLLM_ON_ERROR = 'hang' must be one of exit, "
+                                          r"raise$"):
+        parse(PPSYNC_VLLM_ON_ERROR="hang")
+
+
 def test_settings_are_read_once_per_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_TIMEOUT, "7")
     first = plugin_settings()
@@ -141,7 +150,7 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 @pytest.mark.parametrize(("name", "value"), [
     (ENV_CODEC, "gpu"), (ENV_HOST_KERNELS, "jit"), (ENV_DEVICE_KERNELS, "cuda"),
-    (ENV_TIMEOUT, "-1"), (ENV_EMULATE, "gloo"),
+    (ENV_TIMEOUT, "-1"), (ENV_EMULATE, "gloo"), (ENV_ON_ERROR, "hang"),
 ])
 def test_a_bad_value_fails_the_plugin_at_load_and_replaces_nothing(
     standin: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
