@@ -15,9 +15,10 @@ died), the seconds from the fault to the end, or "still hung" at
 every process of the run is killed, and the check says whether any
 survived that.
 
-ppsync's run passes when the engine ended within ``timeout_s`` + :data:`SLACK_S`
-of the fault, the faulted PP rank was named by then, and no process was
-left; vLLM's run is reported, not judged. With TP = 1 (this check's
+ppsync's run passes when the faulted PP rank was named within ``timeout_s``
++ :data:`SLACK_S` of the fault, the engine ended (not still hung at the
+bound; how long vLLM's executor then takes to stop its workers is reported),
+and no process was left; vLLM's run is reported, not judged. With TP = 1 (this check's
 engines) a global rank is the PP rank.
 """
 
@@ -45,9 +46,8 @@ __all__ = ["FAULTS", "GRACE_S", "SLACK_S", "FaultOutcome", "fault_failures", "fa
 FAULTS = ("kill-last", "stop-last", "kill-first")
 GRACE_S = 5.0
 """How long after the caller's process ended the check looks for processes left."""
-SLACK_S = 10.0
-"""ppsync's run must end within its timeout_s plus this (a step under
-Triton's interpreter on a loaded CPU takes up to seconds)."""
+SLACK_S = 5.0
+"""ppsync's run must name the faulted rank within its timeout_s plus this."""
 PPSYNC_NAMES = re.compile(r"rank(?:\(s\))? (\d+)(?:, \d+)* \(global\)")
 VLLM_DIED = re.compile(r"Worker proc VllmWorker-(\d+) died unexpectedly")
 
@@ -167,14 +167,15 @@ def fault_failures(o: FaultOutcome, timeout_s: float) -> list[str]:
     limit = timeout_s + SLACK_S
     if o.fault_t is None:
         return [f"{label}: PP rank {o.rank} never reached the step of its fault"]
-    if o.ended_after_s is None or o.ended_after_s > limit:
-        out.append(f"{label}: the engine did not end within timeout_s + {SLACK_S:g} s = "
-                   f"{limit:g} s of the fault ({_ended(o)})")
+    if o.ended_after_s is None:
+        out.append(f"{label}: the engine did not end ({_ended(o)})")
     if o.named != o.rank:
         out.append(f"{label}: the faulted PP rank {o.rank} was not named"
                    + (f" (PP rank {o.named} was)" if o.named is not None else ""))
     elif o.named_after_s is None or o.named_after_s > limit:
-        out.append(f"{label}: PP rank {o.rank} named only {o.named_after_s} s after the fault")
+        when = "at a time not known" if o.named_after_s is None else \
+            f"only {o.named_after_s:.1f} s after the fault"
+        out.append(f"{label}: PP rank {o.rank} named {when}")
     if o.left:
         out.append(f"{label}: processes left: {', '.join(o.left)}")
     return out
@@ -226,8 +227,7 @@ def format_faults(outcomes: list[FaultOutcome], pp_size: int, timeout_s: float) 
         lines.append("FAIL")
         lines += [f"  {w}" for w in why]
     else:
-        lines.append(f"PASS: with ppsync's handler every fault named the faulted PP rank and "
-                     f"ended the engine within timeout_s + {SLACK_S:g} s = "
-                     f"{timeout_s + SLACK_S:g} s, leaving no process (vLLM's handler: reported "
-                     "above, not judged)")
+        lines.append(f"PASS: with ppsync's handler every fault named the faulted PP rank "
+                     f"within timeout_s + {SLACK_S:g} s = {timeout_s + SLACK_S:g} s and ended the "
+                     "engine, leaving no process (vLLM's handler: reported above, not judged)")
     return "\n".join(lines)
