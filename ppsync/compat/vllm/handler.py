@@ -107,7 +107,7 @@ class PPHandler:
     None: the installed vLLM's), which picks the subclass this call builds;
     ``board``: where ranks post failures ("group", the default: in the token
     group's own store; None: no board); ``codec``: None picks the device codec
-    for a non-CPU device; ``host_kernels``: the host path's kernels
+    for a non-CPU device or with ``emulate``; ``host_kernels``: the host path's kernels
     (SyncConfig.host_kernels); ``device_kernels``: the device path's
     (SyncConfig.device_kernels); ``emulate``: "nccl" | "xccl", the token group
     behaves as that backend's (the CPU twin: CPU tensors, the device codec).
@@ -175,8 +175,8 @@ class PPHandler:
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         if ring_depth is None:
             ring_depth = self.default_ring_depth(self.device)
-        if codec is None:
-            codec = default_codec(self.device)
+        if codec is None:  # the twin carries device frames, as NCCL does
+            codec = "device" if emulate is not None else default_codec(self.device)
         config = SyncConfig.build(
             pp_size=dist.get_world_size(pp_group),
             max_num_reqs=max_num_reqs,
