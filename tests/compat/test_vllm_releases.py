@@ -172,11 +172,12 @@ def engine_rank(case: Case, env: RankEnv) -> Seen:
     checker = Checker(wl)
     table = torch.full((MAX_NUM_REQS, K), -7, dtype=torch.int64)  # req_states.draft_tokens
     seen = Seen()
-    twin = {"emulate": case.emulate} if case.emulate else {}  # the handler's own choice
+    # the twin through the handler's own argument
     if case.interface == "0.34-cpu":
-        h: PPHandler = PPHandler034Cpu(MAX_NUM_REQS, CPU, timeout_s=WAIT_S, **twin)
+        h: PPHandler = PPHandler034Cpu(MAX_NUM_REQS, CPU, timeout_s=WAIT_S, emulate=case.emulate)
     else:
-        h = PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface, **twin)
+        h = PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface,
+                      emulate=case.emulate)
     assert h.token_path.completion.stream_ordered == (case.emulate is not None)
     with h:
         for t in range(case.steps + 2):
