@@ -17,7 +17,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_NET ?= --retries 2 --timeout 15
 STAMP         := $(VENV)/.ppsync-installed
 
-.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check vllm-check FORCE
+.PHONY: venv test lint typecheck pytest demo soak clean wheelhouse compose-test gpu-check gpu-wheels vllm-check torch-range-test FORCE
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +42,30 @@ test: lint typecheck pytest
 demo: $(STAMP)
 	$(VENV)/bin/ppsync launch --pp-size 3 --steps 3000 --spec 2 --max-num-reqs 32
 
+# The core, services and fault suites on the oldest and the newest torch of the
+# range pyproject.toml declares (the releases the supported vLLM releases pin;
+# ppsync.core.torch_support), each in its own venv .venv-torch-VERSION: the CPU
+# build from PyTorch's CPU index, or, where that index cannot be reached, the
+# PyPI build (CUDA-linked, about 5 GB with its libraries; it runs on CPU).
+# Triton comes out of these venvs: the interpreter of the Triton those builds
+# pin (3.6 with 2.11) fails under numpy 2.4 on CPU tensors, and the Triton
+# kernels' tests run in .venv's Triton; the torch-op kernels serve here.
+TORCH_RANGE       ?= 2.11.0 2.14.1
+TORCH_RANGE_TESTS ?= tests/core tests/services tests/faults
+torch-range-test:
+	@for v in $(TORCH_RANGE); do \
+		venv=.venv-torch-$$v; \
+		test -x $$venv/bin/python || python3 -m venv $$venv || exit 1; \
+		$$venv/bin/python -c "import torch, sys; sys.exit(not torch.__version__.startswith('$$v'))" \
+			2>/dev/null || $$venv/bin/pip install -q $(TORCH_PIP_NET) --extra-index-url \
+			$(TORCH_INDEX) "torch==$$v+cpu" 2>/dev/null || $$venv/bin/pip install -q "torch==$$v" \
+			|| exit 1; \
+		$$venv/bin/pip install -q -e '.[test,jit]' || exit 1; \
+		$$venv/bin/pip uninstall -q -y triton; \
+		echo "torch-range-test: torch $$($$venv/bin/python -c 'import torch; print(torch.__version__)')"; \
+		$$venv/bin/pytest -q -p no:cacheprovider $(TORCH_RANGE_TESTS) || exit 1; \
+	done
+
 # Not a CI test: >= 10^6 row-steps at P=3, K=3 with churn; 0 lost/stale/dup and RSS per rank.
 soak: $(STAMP)
 	$(VENV)/bin/ppsync launch --pp-size 3 --steps 100000 --spec 3 --max-num-reqs 64 \
@@ -65,12 +89,42 @@ wheelhouse: $(STAMP)
 compose-test: wheelhouse
 	services/compose_test.sh
 
-# On a GPU machine, with a CUDA build of torch in $(VENV) (create the venv and
-# `pip install torch` first: a venv that has a torch keeps it). Checks the device
-# path (docs/operations.md, "GPU check"); exits 2 where there is no CUDA. Bounded at 8 minutes.
-# Triton's kernels compiled for the GPU, not its interpreter (the tests' default)
+# On a GPU machine (docs/operations.md, "GPU check"): checks the device path;
+# exits 2 where there is no CUDA. PYTHON=python3 runs that interpreter as it is
+# (a CUDA image's: no venv is built, nothing is fetched; ppsync's own needs come
+# from `make gpu-wheels`); without PYTHON, $(VENV) with a CUDA build of torch
+# (create the venv and `pip install torch` first: a venv that has a torch keeps
+# it). The run bounds itself at 330 s (each check in a fresh process, ended when
+# it overruns); `timeout` is the last resort. Triton's kernels compiled for the
+# GPU, not its interpreter (the tests' default).
+GPU_CHECK_RUN = TRITON_INTERPRET=0 PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
+	timeout -k 10 360
+ifdef PYTHON
+gpu-check:
+	$(GPU_CHECK_RUN) $(PYTHON) -m ppsync.bench.gpu_check $(GPU_CHECK_FLAGS)
+else
 gpu-check: $(STAMP)
-	TRITON_INTERPRET=0 timeout 480 $(PY) -m ppsync.bench.gpu_check
+	$(GPU_CHECK_RUN) $(PY) -m ppsync.bench.gpu_check $(GPU_CHECK_FLAGS)
+endif
+
+# Here, where pip reaches an index: the wheels a CUDA image's Python lacks for
+# `import ppsync` (it has torch, numpy; not pydantic and its parts, nor
+# jsonschema's), for $(GPU_PYTHON) manylinux x86_64, and ppsync's own wheel,
+# into $(GPU_WHEELS). Carry that folder; there:
+#   python3 -m pip install --no-index --find-links wheels/gpu ppsync
+GPU_WHEELS       ?= wheels/gpu
+GPU_PYTHON       ?= 3.12
+GPU_NEEDS        ?= 'pydantic>=2.7' 'anyio>=4.12' 'jsonschema>=4.18'
+GPU_PLATFORMS    ?= manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64
+GPU_PIP          ?= $(or $(PYTHON),python3) -m pip
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	rm -f $(GPU_WHEELS)/ppsync-*.whl
+	$(GPU_PIP) download -q --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		--dest $(GPU_WHEELS) $(GPU_NEEDS)
+	$(GPU_PIP) wheel -q --no-deps --wheel-dir $(GPU_WHEELS) .
+	ls $(GPU_WHEELS)
 
 # Before switching to ppsync's vLLM handler (not part of `make test`): runs the
 # vLLM of $(VLLM_VENV) twice at pipeline_parallel_size $(PP) on a small dummy
@@ -124,4 +178,4 @@ vllm-check: $(VLLM_STAMP)
 FORCE:
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-torch-* .pytest_cache .mypy_cache .ruff_cache

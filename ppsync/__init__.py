@@ -10,35 +10,48 @@ and ``ppsync.services`` (anyio) -> ``ppsync.debug`` (reading flight-recorder
 dumps) -> ``ppsync.cli``.
 """
 
-from ppsync.compat import PPHandler
-from ppsync.core import (
-    AuxRelay,
-    BatchView,
-    FailureBoard,
-    ReleasedStep,
-    TokenPath,
-    batch_view_of,
-    need_sampled_mask,
-    pipeline_layout,
-    strided_layout,
-    token_group,
-    token_group_in_layout,
-    token_groups,
-)
-from ppsync.errors import (
-    BatchError,
-    ConfigError,
-    DesyncError,
-    PeerLost,
-    PPSyncError,
-    ProtocolError,
-    RankFailed,
-    RoleError,
-    Stopped,
-    SyncTimeout,
-)
-from ppsync.schemas import RankReport, RunReport, StepRecord, SyncConfig
-from ppsync.services import BroadcastService, Rank, ReceiveService, open_rank
+import importlib as _importlib
+import importlib.util as _util
+import typing as _typing
+
+_MISSING = [name for name in ("numpy", "pydantic", "anyio") if _util.find_spec(name) is None]
+if _MISSING:  # a CUDA image has torch and numpy but no pydantic: say what to do
+    raise ModuleNotFoundError(
+        f"ppsync needs {', '.join(_MISSING)}, which this Python lacks. Without a network "
+        "(a GPU machine): `make gpu-wheels` where pip works, carry wheels/gpu, then "
+        "`python3 -m pip install --no-index --find-links wheels/gpu ppsync` "
+        "(docs/operations.md, \"GPU check\")", name=_MISSING[0])
+
+if _typing.TYPE_CHECKING:  # the names, for readers and type checkers; loaded on first use
+    from ppsync.compat import PPHandler
+    from ppsync.core import (
+        AuxRelay,
+        BatchView,
+        FailureBoard,
+        ReleasedStep,
+        TokenPath,
+        batch_view_of,
+        need_sampled_mask,
+        pipeline_layout,
+        strided_layout,
+        token_group,
+        token_group_in_layout,
+        token_groups,
+    )
+    from ppsync.errors import (
+        BatchError,
+        ConfigError,
+        DesyncError,
+        PeerLost,
+        PPSyncError,
+        ProtocolError,
+        RankFailed,
+        RoleError,
+        Stopped,
+        SyncTimeout,
+    )
+    from ppsync.schemas import RankReport, RunReport, StepRecord, SyncConfig
+    from ppsync.services import BroadcastService, Rank, ReceiveService, open_rank
 
 __version__ = "0.1.0"
 
@@ -75,3 +88,52 @@ __all__ = [
     "token_group_in_layout",
     "token_groups",
 ]
+
+_WHERE = {
+    "AuxRelay": "ppsync.core",
+    "BatchError": "ppsync.errors",
+    "BatchView": "ppsync.core",
+    "BroadcastService": "ppsync.services",
+    "ConfigError": "ppsync.errors",
+    "DesyncError": "ppsync.errors",
+    "FailureBoard": "ppsync.core",
+    "PPHandler": "ppsync.compat",
+    "PPSyncError": "ppsync.errors",
+    "PeerLost": "ppsync.errors",
+    "ProtocolError": "ppsync.errors",
+    "Rank": "ppsync.services",
+    "RankFailed": "ppsync.errors",
+    "RankReport": "ppsync.schemas",
+    "ReceiveService": "ppsync.services",
+    "ReleasedStep": "ppsync.core",
+    "RoleError": "ppsync.errors",
+    "RunReport": "ppsync.schemas",
+    "StepRecord": "ppsync.schemas",
+    "Stopped": "ppsync.errors",
+    "SyncConfig": "ppsync.schemas",
+    "SyncTimeout": "ppsync.errors",
+    "TokenPath": "ppsync.core",
+    "batch_view_of": "ppsync.core",
+    "need_sampled_mask": "ppsync.core",
+    "open_rank": "ppsync.services",
+    "pipeline_layout": "ppsync.core",
+    "strided_layout": "ppsync.core",
+    "token_group": "ppsync.core",
+    "token_group_in_layout": "ppsync.core",
+    "token_groups": "ppsync.core",
+}
+"""Public name -> the module that defines it. Importing ``ppsync`` (and so
+``ppsync --help``) loads none of them: torch is imported on first use."""
+
+
+def __getattr__(name: str) -> object:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'ppsync' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

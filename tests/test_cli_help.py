@@ -44,3 +44,12 @@ def test_help_prints_no_markup() -> None:
     for name, p in _parsers(_parser()):
         text = p.format_help()
         assert "``" not in text and ":func:" not in text and ":class:" not in text, name
+
+
+def test_run_device_choices_are_the_platform_tables() -> None:
+    """``run --device`` offers the platforms ppsync.core.platform knows (the
+    parser keeps its own copy so that parsing imports no torch)."""
+    from ppsync.cli.parser import DEVICES
+    from ppsync.core.platform import PLATFORMS
+
+    assert DEVICES == PLATFORMS

@@ -5,6 +5,8 @@ not run the bench first). Non-finite numbers are refused at parsing."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,67 @@ def test_a_non_finite_or_huge_number_is_refused_at_parsing(
     assert code == 2, err
     assert "Traceback" not in err, err
     assert f"argument {argv[-2]}: " in err.strip().splitlines()[-1], err
+
+
+FLAG_CASES = [
+    (["launch", "--pp-size", "2", "--spec", "100"], "--spec", "100 must be in [0, 64]"),
+    (["launch", "--pp-size", "two"], "--pp-size", "invalid int value: 'two'"),
+    (["launch", "--pp-size", "1"], "--pp-size", "1 must be in [2, 1024]"),
+    (["bench", "--pp-size", "1"], "--pp-size", "1 must be in [2, 64]"),
+    (["bench", "--rows", "0"], "--rows", "0 must be in [1, 65536]"),
+    (["launch", "--pp-size", "2", "--device-kernels", "triton"], "--device-kernels",
+     "triton is a kernel set of the device codec; --codec host does not use it"),
+    (["run", "--device-kernels", "torch"], "--device-kernels", "--codec host does not use it"),
+    (["launch", "--pp-size", "2", "--flight-events", "999999999"], "--flight-events",
+     "999999999 must be in [0, 262144]"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "says"), FLAG_CASES,
+                         ids=lambda v: "-".join(v) if isinstance(v, list) else None)
+def test_a_bad_value_is_one_line_naming_the_flag(
+        argv: list[str], flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run(argv, capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"error: argument {flag}: " in lines[0] and says in lines[0], err
+
+
+def test_the_bounds_are_the_models_own() -> None:
+    """A bound changed in SyncConfig or BenchOptions changes the flag's: the
+    parser reads them from the fields, it keeps no copy."""
+    from ppsync.cli.bounds import field_bounds, from_field
+    from ppsync.schemas.bench import BenchOptions
+    from ppsync.schemas.config import SyncConfig
+
+    assert field_bounds(SyncConfig, "num_speculative_steps") == (0, True, 64, True)
+    assert field_bounds(SyncConfig, "timeout_s") == (0, False, 86400, True)
+    assert field_bounds(BenchOptions, "pp_size") == (2, True, 64, True)
+    parse = from_field(SyncConfig, "num_speculative_steps")
+    assert parse("64") == 64
+    with pytest.raises(Exception, match="65 must be in"):
+        parse("65")
+
+
+def test_parsing_and_help_import_no_torch() -> None:
+    """``ppsync --help`` and a bad argument answer without importing torch."""
+    code = ("import sys\n"
+            "from ppsync.cli import main\n"
+            "for argv in (['--help'], ['launch', '--help'], ['launch', '--pp-size', 'x']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).parent.parent)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
+def test_help_describes_the_tool_and_the_exit_codes() -> None:
+    from ppsync.cli.parser import _parser
+
+    text = _parser().format_help()
+    assert "carries each step's sampled tokens" in text
+    assert "exit status of launch and run: 0" in text and "dump show: 0 OK, 1 FAILED" in text

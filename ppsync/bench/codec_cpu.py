@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import TypeVar, cast
+from typing import cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
+from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.bench.stats import pct_us
@@ -47,8 +46,6 @@ from ppsync.core.token_path import TokenPath
 from ppsync.core.transport import TransportClock
 from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.config import HostKernelsName, SyncConfig
-
-T = TypeVar("T")
 
 
 def gloo_pair(timeout_s: float = 30.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -143,15 +140,6 @@ def hot_config(opts: BenchOptions) -> SyncConfig:
     and K (its cost per rank does not depend on P)."""
     return SyncConfig.build(pp_size=2, max_num_reqs=opts.max_num_reqs or opts.rows,
                             num_speculative_steps=opts.spec, timeout_s=opts.timeout_s)
-
-
-def in_fresh_process(fn: Callable[..., T], *args: object, timeout_s: float = 300.0) -> T:
-    """``fn(*args)`` in a new interpreter (multiprocessing's spawn): the gloo
-    pair's threads then never live in a process that later forks rank
-    processes (a forked child inherits gloo's objects without their threads)."""
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(fn, *args).result(timeout=timeout_s)
 
 
 def path_cpu(configs: dict[str, SyncConfig], iters: int, *, vllm: bool = False

@@ -41,8 +41,9 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ppsync.bench.codec_cpu import _step_calls, in_fresh_process, path_pair
+from ppsync.bench.codec_cpu import _step_calls, path_pair
 from ppsync.bench.common import fixed_step
+from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.device_kernels import triton_error
 from ppsync.core.token_path import TokenPath

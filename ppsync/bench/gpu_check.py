@@ -1,370 +1,194 @@
 """``make gpu-check``: the device path on a GPU machine, as one command.
 
-    python -m ppsync.bench.gpu_check [--steps N]
+    python3 -m ppsync.bench.gpu_check [--steps N] [--budget S]
 
-Checks, each in fresh rank processes (spawned: CUDA does not survive a fork):
+It runs with the interpreter it is started with (a CUDA image's python3:
+no venv, no network; ppsync's own needs carried as wheels: docs/operations.md,
+"GPU check"). Each check runs in a fresh process of its own, bounded (60-90
+s; a worker that overruns is terminated, then killed: ppsync.bench.fresh),
+and its row is printed and flushed as soon as it ends. The whole run stays
+within ``--budget`` seconds (default 330): a check gets at most what is
+left, and one that cannot start in time reads SKIP. Its wall time is printed.
 
-a) two ranks sharing GPU 0 over gloo with CUDA tensors through the device
-   codec: the whole synthetic workload, exact delivery; every token-path call
-   runs under ``torch.cuda.set_sync_debug_mode`` and any host sync it makes
-   fails the check. gloo stages CUDA tensors through the host in its own
-   worker threads (its sender synchronizes its copy stream there), so over
-   gloo the mode is "warn" and only warnings raised in the calling thread,
-   i.e. by ppsync's own calls, count; over NCCL (b, c) it is "error".
-b) a one-rank NCCL token group: a valid step, then a step with a bad
-   num_sampled whose BatchError comes at the next call (deferred verdict).
-c) with >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, the workload with exact
-   delivery, then the fused frame (the token path, ring depth 1) timed
-   against one raw NCCL broadcast of the same words and vLLM's scheme
-   (tokens, counts, drafts: three broadcasts); median µs per step.
-d) a receive pending on a late peer (the last rank publishes 3 s late) does
-   not hold the receiver's main stream: work queued on it after post()
-   completes long before the frame arrives (NCCL with >= 2 GPUs, else gloo),
-   through the sync API (TokenPath.post) and the async services (open_rank,
-   ReceiveService.post).
-e) per step, per role, on GPU 0: host µs on the calling thread and device µs
-   between events for vLLM's GPU scheme, the device codec
-   with torch ops and with Triton (ppsync.bench.gpu_steps), K = 0 and 3,
-   every token-path call under sync debug "error".
+a) two ranks sharing GPU 0 over gloo, CUDA tensors, the device codec: the
+   workload, exact delivery, ppsync's calls under sync debug mode.
+b) a one-rank NCCL token group: a step, then a deferred BatchError.
+c) >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, exact, then timed.
+d) a late peer: post() and the main stream's work are not held.
+e) per step, per role: host / device µs of vLLM's scheme and the device
+   codec; no host sync in ppsync's calls (the guard shown live first).
+   (a-e: ppsync.bench.gpu_workload_checks)
+f) a one-rank NCCL broadcast behind a long kernel: future done, work not
+   completed (asserted: the premise of stream-ordered completion).
+g) the engine overwrites its sampler outputs right after publish.
+h) Triton's compiled variants stay flat across row counts.
+i) >= 2 GPUs: kill -9 of the last rank; every survivor names it.
+   (f-i: ppsync.bench.gpu_stream_checks)
+j) ``Work.exception()`` on this torch; ppsync's completion never calls it.
+k) the abort of a pending one-rank broadcast: what NCCL says, how long it
+   took, and that ppsync counts the work failed with the abort's cause.
+l) ``is_completed()`` µs per call.
+   (j-l: ppsync.bench.gpu_failure_checks)
+m) a CUDA graph captured while ppsync's deadline guard polls a pending
+   work (and, reported only, the services' loop from another thread)
+   (ppsync.bench.gpu_capture_check).
 
-f) the premise of stream-ordered completion, printed: on a one-rank NCCL
-   group, a broadcast issued behind a long kernel on the current stream:
-   its future's done() and work.is_completed() right after the call
-   (expected: done at enqueue, not completed).
-g) the engine overwrites its sampler tensors in place right after each
-   publish (a long kernel before it, so a side stream would still be
-   behind): receivers get the original values every step (two ranks on
-   GPU 0 over gloo; over NCCL with >= 2 GPUs).
-h) Triton's compiled variants of each kernel stay flat across row counts
-   1, 15, 16, 17, 63, 64, 65, 4096, 16384 (SKIP without Triton).
-i) with >= 2 GPUs: the last rank SIGKILLs itself over NCCL; every survivor
-   raises an error naming it within timeout_s + 1 s.
-(f-i and d's async half: ppsync.bench.gpu_stream_checks.)
-
-a and c run the workload once per device kernel set (torch ops; Triton,
-compiled, where it imports: run with TRITON_INTERPRET unset or 0).
-
-Prints one table; exits 0 when every check passed, 1 when any failed, and 2
-without running anything where there is no CUDA device (a check that ran
-nothing must not read as a pass). Each check is bounded; the whole run
-takes a few minutes and at most 8 (``make gpu-check`` also wraps it in
-``timeout 480``).
+Exit status: 0 every check that ran passed, 1 one failed, 2 nothing run
+(no CUDA device, said on stderr: a check that ran nothing must not read as
+a pass). ``make gpu-check`` wraps it in ``timeout 360``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
 
 import torch
-import torch.distributed as dist
 
-from ppsync.bench.codec_cpu import in_fresh_process
-from ppsync.bench.gpu_steps import format_timing, time_schemes
-from ppsync.bench.gpu_stream_checks import (
-    check_f,
-    check_g,
-    check_h,
-    check_i,
-    decode_view,
-    late_peer_async_rank,
-)
+from ppsync.bench import gpu_capture_check as capture
+from ppsync.bench import gpu_failure_checks as failure
+from ppsync.bench import gpu_stream_checks as stream
+from ppsync.bench import gpu_workload_checks as workload
+from ppsync.bench.fresh import Overran, in_fresh_process
 from ppsync.core.device_kernels import triton_error
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
-from ppsync.errors import BatchError
-from ppsync.harness.driver import run_sync_rank, workload_config
-from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
 
-TIMEOUT_S = 60.0
-Result = dict[str, Any]
-
-
-@contextmanager
-def no_host_sync(mode: str, found: list[str]) -> Iterator[None]:
-    """Run the block under ``torch.cuda.set_sync_debug_mode(mode)``; in
-    "warn" mode, collect the sync warnings raised in this thread. Without
-    CUDA (the CPU dry run of the tests) the block just runs."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
+RUN_BUDGET_S = 330.0
+"""The whole run's bound (checks not started in it read SKIP)."""
+MIN_BOUND_S = 15.0
+"""A check is not started with less than this (or its own bound) left of the budget."""
+NAME_WIDTH = 58
+ONE_GPU_GAPS = (
+    "not checkable on one GPU, the CPU twin (--emulate nccl|xccl) stands in: an abort across "
+    "ranks (tests/faults/test_fault_abort_release.py, tests/faults/test_fault_exit.py), "
+    "NCCL's watchdog (tests/faults/test_fault_watchdog.py), a pending cross-rank receive "
+    "(tests/faults/test_fault_peer_death.py, tests/core/completion/test_twin.py)")
 
 
-def _hot(mode: str, found: list[str]) -> Callable[[], AbstractContextManager[None]]:
-    return functools.partial(no_host_sync, mode, found)
+@dataclass(frozen=True)
+class Check:
+    """One row: ``run`` (picklable; returns (passed, detail), may raise
+    CheckSkipped) runs in a fresh process bounded at ``bound_s``; a
+    non-empty ``skip`` says why it is not run at all."""
+
+    name: str
+    run: Callable[[], tuple[bool, str]]
+    bound_s: float
+    skip: str = ""
 
 
-def _exact(report: RankReport) -> bool:
-    clean = (report.lost, report.stale, report.duplicated, report.corrupt) == (0, 0, 0, 0)
-    if report.role == "last":
-        return clean and report.rows_sent > 0
-    return clean and report.rows_delivered == report.rows_expected > 0
+Row = tuple[str, str, str, float]
+"""(name, PASS | FAIL | SKIP, detail, seconds)."""
 
 
-def _config(pp_size: int, **extra: Any) -> SyncConfig:
-    return SyncConfig.build(pp_size=pp_size, max_num_reqs=64, num_speculative_steps=2,
-                            timeout_s=TIMEOUT_S, codec="device", **extra)
-
-
-def _device(rank: int) -> torch.device:
-    """This rank's GPU (ranks share GPU 0 when there is one); CPU in the
-    tests' dry run, where there is no CUDA."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _workload_rank(steps: int, backend: str, mode: str, kernels: str, env: RankEnv) -> Result:
-    dev = _device(env.rank)
-    config = _config(env.world_size, device_kernels=kernels)
-    group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
-                        backend=backend)
-    path = TokenPath(config, group, device=dev)
-    assert path.codec.device_kernels_name == kernels
-    found: list[str] = []
-    report = run_sync_rank(path, workload_config(config, steps=steps, seed=11),
-                           hot=_hot(mode, found))
-    return {"exact": _exact(report), "syncs": found[:3], "report": report.model_dump()}
-
-
-def _one_rank_nccl(backend: str, env: RankEnv) -> Result:
-    dev = _device(0)
-    group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
-                        backend=backend)
-    path = TokenPath(_config(1), group, device=dev)
-    view = decode_view(4)
-    tokens = torch.arange(12, device=dev, dtype=torch.int64).view(4, 3)
-    ns = torch.full((4,), 3, dtype=torch.int32, device=dev)
-    nr = torch.zeros(4, dtype=torch.int32, device=dev)
-    found: list[str] = []
-    with no_host_sync("error", found):
-        path.publish(view, tokens, ns, nr)
-        path.publish(view, tokens, ns + 2, nr)  # num_sampled 5 > w = 3: sent, flagged
-    _sync(dev)  # let the events complete: the next call reads the verdict
-    try:
-        path.publish(view, tokens, ns, nr)
-        deferred = "no BatchError at the next call"
-    except BatchError as e:
-        deferred = "" if "num_sampled[0] = 5 outside [0, w = 3]" in str(e) else str(e)
-    path.close()
-    return {"ok": not deferred and not found, "detail": deferred or "; ".join(found)}
-
-
-def _timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
-    """The fused frame vs one raw broadcast vs vLLM's scheme's three broadcasts,
-    interleaved, over NCCL; median µs per step as seen by this rank."""
-    dev = _device(env.rank)
-    P, rows, K = env.world_size, 256, 2
-    L = K + 1
-    nccl = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
-                       backend=backend)
-    config = SyncConfig.build(pp_size=P, max_num_reqs=rows, num_speculative_steps=K,
-                              ring_depth=1, timeout_s=TIMEOUT_S, codec="device")
-    path = TokenPath(config, nccl, device=dev)
-    src = dist.get_global_rank(nccl, P - 1)
-    view = decode_view(rows)
-    tokens = torch.randint(0, 1 << 20, (rows, L), device=dev)
-    ns = torch.full((rows,), L, dtype=torch.int32, device=dev)
-    nr = torch.zeros(rows, dtype=torch.int32, device=dev)
-    drafts = torch.randint(0, 1 << 20, (rows, K), device=dev)
-    raw = torch.zeros(path.codec.frames.words(rows), dtype=torch.int64, device=dev)
-    counts = torch.zeros(2 * rows, dtype=torch.int32, device=dev)
-
-    def fused() -> None:
-        if path.is_last:
-            path.publish(view, tokens, ns, nr, drafts)
-        else:
-            path.post(view)
-            path.consume()
-
-    def one_raw() -> None:
-        dist.broadcast(raw, src=src, group=nccl)
-
-    def vllm() -> None:
-        for t in (tokens, counts, drafts):
-            dist.broadcast(t, src=src, group=nccl)
-
-    variants = {"fused frame": fused, "raw broadcast": one_raw, "vLLM's scheme": vllm}
-    if not path.is_last:
-        assert path.consume() is None  # D = 1: reserves the tail each post() fills
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for i in range(iters + 20):
-        for name, fn in variants.items():
-            dist.barrier()  # the default (gloo) group: every rank starts together
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            if i >= 20:
-                times[name].append((time.perf_counter() - t0) * 1e6)
-    path.close()  # the tail reserved by the last consume() stays an empty slot
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _late_peer_rank(backend: str, late_s: float, env: RankEnv) -> Result:
-    dev = _device(env.rank)
-    group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
-                        backend=backend)
-    path = TokenPath(_config(2, ring_depth=1), group, device=dev)
-    view = decode_view(8)
-    if path.is_last:
-        time.sleep(late_s)  # the late peer
-        tokens = torch.arange(24, device=dev, dtype=torch.int64).view(8, 3)
-        path.publish(view, tokens, torch.full((8,), 3, dtype=torch.int32, device=dev),
-                     torch.zeros(8, dtype=torch.int32, device=dev))
-        path.close()
-        return {}
-    assert path.consume() is None
-    path.post(view)
-    t0 = time.perf_counter()
-    x = torch.randn(1024, 1024, device=dev)
-    for _ in range(20):
-        x = torch.tanh(x @ x)
-    if dev.type == "cuda":  # the main stream only: the pending receive is on others
-        torch.cuda.current_stream(dev).synchronize()
-    main_s = time.perf_counter() - t0
-    out = path.consume()
-    got = None if out is None else out.sampled_tokens.cpu().flatten().tolist()
-    path.close()
-    return {"main_s": main_s, "delivered": got == list(range(24))}
-
-
-def _run(name: str, fn: Callable[[], tuple[bool, str]]) -> tuple[str, str, str, float]:
+def run_check(check: Check, left_s: float) -> Row:
+    """``check`` in a fresh process, bounded by its bound and ``left_s``."""
+    if check.skip:
+        return check.name, "SKIP", check.skip, 0.0
+    bound = min(check.bound_s, left_s)
+    if left_s < min(MIN_BOUND_S, check.bound_s):
+        return check.name, "SKIP", f"not started: {left_s:.0f} s left of the run's budget", 0.0
     t0 = time.perf_counter()
     try:
-        ok, detail = fn()
+        ok, detail = in_fresh_process(check.run, timeout_s=bound)
         status = "PASS" if ok else "FAIL"
+    except stream.CheckSkipped as e:
+        status, detail = "SKIP", str(e)
+    except Overran as e:
+        status, detail = "FAIL", f"hung: {e} (its threads' stacks are on stderr)"
     except Exception as e:  # a check that raised failed; the others still run
-        status, detail = "FAIL", f"{type(e).__name__}: {e}"[:300]
-    return name, status, detail, time.perf_counter() - t0
+        status, detail = "FAIL", f"{type(e).__name__}: {e}"[:400]
+        print(f"{check.name}: ", end="", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)  # with the worker's traceback
+    return check.name, status, detail, time.perf_counter() - t0
 
 
-def check_a(steps: int) -> tuple[bool, str]:
-    details, ok = [], True
-    for kernels in kernel_sets():
-        res = spawn_ranks(functools.partial(_workload_rank, steps, "gloo", "warn", kernels), 2,
-                          timeout_s=TIMEOUT_S, start_method="spawn")
-        syncs = [s for r in res for s in r["syncs"]]
-        rows = res[0]["report"]["rows_delivered"]
-        good = all(r["exact"] for r in res) and not syncs
-        ok &= good
-        details.append(f"{kernels}: {steps} steps, {rows} rows delivered exactly" if good else
-                       f"{kernels}: exact={[r['exact'] for r in res]} host syncs: {syncs[:2]}")
-    return ok, "; ".join(details)
+def print_row(row: Row, out: TextIO) -> None:
+    name, status, detail, secs = row
+    print(f"{name:<{NAME_WIDTH}}  {status:<6}  {secs:5.1f}  {detail}", file=out, flush=True)
 
 
-def kernel_sets() -> list[str]:
-    """The device kernel sets this machine runs compiled: torch ops, and
-    Triton where it imports (TRITON_INTERPRET unset or 0 here)."""
-    return ["torch"] + (["triton"] if triton_error() is None else [])
+def run_table(checks: list[Check], budget_s: float, out: TextIO) -> list[Row]:
+    """Every check in turn, each row printed and flushed as it ends."""
+    print(f"{'check':<{NAME_WIDTH}}  result  {'s':>5}  detail", file=out, flush=True)
+    deadline = time.monotonic() + budget_s
+    rows = []
+    for check in checks:
+        row = run_check(check, deadline - time.monotonic())
+        print_row(row, out)
+        rows.append(row)
+    return rows
 
 
-def check_b() -> tuple[bool, str]:
-    (res,) = spawn_ranks(functools.partial(_one_rank_nccl, "nccl"), 1, timeout_s=TIMEOUT_S,
-                         start_method="spawn")
-    return bool(res["ok"]), res["detail"] or "one step sent; a bad value raised one call later"
+def checks(steps: int, gpus: int) -> list[Check]:
+    """The table's checks on a machine with ``gpus`` GPUs."""
+    multi = "" if gpus >= 2 else f"{gpus} GPU: needs >= 2"
+    triton = triton_error()
+    p = functools.partial
+    return [
+        Check("a) 2 ranks on GPU 0, gloo, device codec", p(workload.check_a, steps), 90),
+        Check("b) 1-rank NCCL token group", workload.check_b, 60),
+        Check(f"c) P=min(4, {gpus}) ranks over NCCL", p(workload.check_c, steps, gpus), 90,
+              skip=multi),
+        Check("d) late peer: post() and main stream not held", p(workload.check_d, gpus), 75),
+        Check("e) per step: vLLM's scheme vs device codec, no host sync",
+              workload.check_e, 90),
+        Check("f) 1-rank NCCL: future done, work not completed", stream.check_f, 60),
+        Check("g) overwrite after publish, receivers get originals",
+              p(stream.check_g, gpus), 75),
+        Check("h) Triton variants flat across row counts", stream.check_h, 90,
+              skip="" if triton is None else f"Triton cannot be loaded ({triton})"),
+        Check("i) kill -9 of the last rank over NCCL", p(stream.check_i, gpus), 60, skip=multi),
+        Check("j) 1-rank NCCL: Work.exception(), ppsync's completion", failure.check_j, 60),
+        Check("k) 1-rank NCCL: abort of a pending broadcast", failure.check_k, 60),
+        Check("l) 1-rank NCCL: is_completed() µs per call", failure.check_l, 60),
+        Check("m) CUDA graph captured while a pending work is polled", capture.check_m, 60),
+    ]
 
 
-def check_c(steps: int, gpus: int) -> tuple[bool, str]:
-    P = min(4, gpus)
-    for kernels in kernel_sets():
-        res = spawn_ranks(functools.partial(_workload_rank, steps, "nccl", "error", kernels), P,
-                          timeout_s=TIMEOUT_S, start_method="spawn")
-        syncs = [s for r in res for s in r["syncs"]]
-        if not all(r["exact"] for r in res) or syncs:
-            return False, (f"P={P} {kernels}: exact={[r['exact'] for r in res]} "
-                           f"host syncs: {syncs[:2]}")
-    timed = spawn_ranks(functools.partial(_timed_rank, 200, "nccl"), P, timeout_s=TIMEOUT_S,
-                        start_method="spawn")
-    worst = {k: max(t[k] for t in timed) for k in timed[0]}
-    figures = ", ".join(f"{k} {v:.0f}" for k, v in worst.items())
-    return True, (f"P={P}, {steps} steps exact ({', '.join(kernel_sets())}); median µs/step "
-                  f"(slowest rank): {figures}")
-
-
-def check_d(gpus: int) -> tuple[bool, str]:
-    backend = "nccl" if gpus >= 2 else "gloo"
-    ok, parts = True, []
-    for api, rank_fn in (("sync", _late_peer_rank), ("async", late_peer_async_rank)):
-        res = spawn_ranks(functools.partial(rank_fn, backend, 3.0), 2, timeout_s=TIMEOUT_S,
-                          start_method="spawn")
-        main_s, delivered = res[0]["main_s"], res[0]["delivered"]
-        ok &= main_s < 1.5 and delivered
-        parts.append(f"{api}: main stream done {main_s:.2f} s after post(), "
-                     f"delivered={delivered}")
-    return ok, f"{backend}, peer 3 s late; " + "; ".join(parts)
-
-
-def check_e() -> tuple[bool, str]:
-    """Per step, per role, on GPU 0: host µs / device µs of each scheme
-    (ppsync.bench.gpu_steps), every token-path call under sync debug "error"."""
-    parts = []
-    for spec in (0, 3):
-        timing = in_fresh_process(time_schemes, 256, spec, 200)
-        parts.append(f"K={spec}: {format_timing(timing)}")
-    return True, "host/device µs per call, 256 rows; " + " | ".join(parts)
+def summary(rows: list[Row], wall_s: float, budget_s: float, gpus: int) -> list[str]:
+    """The lines after the table: counts and wall time, the machine, and
+    what a one-GPU run leaves to the CPU twin."""
+    count = {s: sum(1 for r in rows if r[1] == s) for s in ("PASS", "FAIL", "SKIP")}
+    lines = [f"gpu-check: {count['PASS']} passed, {count['FAIL']} failed, {count['SKIP']} "
+             f"skipped; wall time {wall_s:.1f} s (budget {budget_s:.0f} s)"]
+    if gpus:
+        lines.append(f"torch {torch.__version__}, {gpus} x {torch.cuda.get_device_name(0)}, "
+                     f"Python {sys.version.split()[0]}")
+    if gpus < 2:
+        lines.append(ONE_GPU_GAPS)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ppsync.bench.gpu_check",
+    t0 = time.perf_counter()
+    ap = argparse.ArgumentParser(prog="python3 -m ppsync.bench.gpu_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000, help="workload steps in a and c")
+    ap.add_argument("--budget", type=float, default=RUN_BUDGET_S,
+                    help="the whole run's bound in seconds")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"gpu-check: not run: no CUDA device (torch {torch.__version__}, "
               "torch.cuda.is_available() is False). It needs one GPU, two or more for "
-              "check c, and a CUDA build of torch in the venv.", file=sys.stderr)
+              "checks c and i, and a CUDA build of torch in this Python "
+              f"({sys.executable}).", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count()
-    rows = [
-        _run("a) 2 ranks on GPU 0, gloo, device codec", lambda: check_a(args.steps)),
-        _run("b) 1-rank NCCL token group", check_b),
-        _run(f"c) P=min(4, {gpus}) ranks over NCCL", lambda: check_c(args.steps, gpus))
-        if gpus >= 2 else ("c) P ranks over NCCL", "SKIP", f"{gpus} GPU: needs >= 2", 0.0),
-        _run("d) late peer, main stream not held", lambda: check_d(gpus)),
-        _run("e) per step: vLLM's scheme vs device/torch vs device/triton", check_e),
-        _run("f) 1-rank NCCL: future done vs is_completed", check_f),
-        _run("g) overwrite after publish, receivers get originals", lambda: check_g(gpus)),
-        _run("h) Triton variants flat across row counts", check_h)
-        if triton_error() is None else ("h) Triton variants flat across row counts", "SKIP",
-                                        f"Triton cannot be loaded ({triton_error()})", 0.0),
-        _run("i) kill -9 of the last rank over NCCL", lambda: check_i(gpus))
-        if gpus >= 2 else ("i) kill -9 of the last rank over NCCL", "SKIP",
-                           f"{gpus} GPU: needs >= 2", 0.0),
-    ]
-    width = max(len(r[0]) for r in rows)
-    print(f"{'check':<{width}}  result  {'s':>5}  detail")
-    for name, status, detail, secs in rows:
-        print(f"{name:<{width}}  {status:<6}  {secs:5.1f}  {detail}")
-    print(f"torch {torch.__version__}, {gpus} x {torch.cuda.get_device_name(0)}")
+    rows = run_table(checks(args.steps, gpus), args.budget - (time.perf_counter() - t0),
+                     sys.stdout)
+    for line in summary(rows, time.perf_counter() - t0, args.budget, gpus):
+        print(line, flush=True)
     return 1 if any(r[1] == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":
-    # through the package name, so spawned ranks unpickle the targets by it
+    # through the package name, so fresh processes unpickle the checks by it
     from ppsync.bench import gpu_check
 
     sys.exit(gpu_check.main())

@@ -105,3 +105,36 @@ def format_timing(timing: Timing) -> str:
     return "; ".join(f"{scheme}: " + ", ".join(f"{role} {h:.0f}/{d:.0f}"
                                                for role, (h, d) in roles.items())
                      for scheme, roles in timing.items())
+
+
+def sync_guard_live(device: torch.device) -> bool:
+    """Whether ``torch.cuda.set_sync_debug_mode("error")`` catches a host
+    sync here (a ``.item()``): without that, a check that relies on it
+    could not fail. True on CPU (nothing to catch: the dry run)."""
+    if device.type != "cuda":
+        return True
+    probe = torch.ones(1, device=device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        probe.item()
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return False
+
+
+def timing_verdict(timing: Timing, *, cuda: bool) -> tuple[bool, str]:
+    """Check e's verdict on :func:`time_schemes`' figures: every scheme
+    (vLLM's and each device kernel set) timed for both roles, each host
+    figure > 0 and, on CUDA, each device figure > 0 (events that recorded
+    nothing would read 0). A host sync in a token-path call raised already."""
+    bad = [f"{scheme} {role}" for scheme, roles in timing.items()
+           for role, (host, dev) in roles.items() if host <= 0 or (cuda and dev <= 0)]
+    roles_ok = all(set(roles) == {"last rank", "receiver"} for roles in timing.values())
+    schemes_ok = "vllm gpu" in timing and any(k.startswith("ppsync device/") for k in timing)
+    if not (roles_ok and schemes_ok):
+        return False, f"schemes or roles missing: {sorted(timing)}"
+    if bad:
+        return False, f"no time measured for {', '.join(bad)}"
+    return True, format_timing(timing)

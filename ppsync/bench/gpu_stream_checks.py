@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.bench.codec_cpu import in_fresh_process, path_pair
+from ppsync.bench.codec_cpu import path_pair
 from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
@@ -153,22 +153,33 @@ def overwrite_rank(backend: str, steps: int, env: RankEnv) -> Result:
 # -- h) Triton compiles once per flag combination -----------------------------------------
 
 
-def compiled_variants(kernel: Any) -> int:
-    """How many compiled variants a Triton JIT function holds, over devices
-    (Triton 3.2+ keeps them in ``device_caches``; earlier, ``cache``)."""
+def compiled_variants(kernel: Any) -> int | None:
+    """How many compiled variants a Triton JIT function holds, over devices:
+    Triton 3.2+ keeps them in ``device_caches`` (device -> (kernel cache,
+    ...)); earlier Triton in ``cache`` (device -> kernel cache). None where
+    neither is laid out so (a Triton this code does not know)."""
     caches = getattr(kernel, "device_caches", None)
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(c) for c in getattr(kernel, "cache", {}).values())
+    if isinstance(caches, dict):
+        entries = list(caches.values())
+        if all(isinstance(e, tuple) and e and isinstance(e[0], dict) for e in entries):
+            return sum(len(e[0]) for e in entries)
+    cache = getattr(kernel, "cache", None)
+    if isinstance(cache, dict) and all(isinstance(c, dict) for c in cache.values()):
+        return sum(len(c) for c in cache.values())
+    return None
+
+
+class CheckSkipped(Exception):
+    """A check that cannot run here, and why (its row reads SKIP)."""
 
 
 def variant_counts(kernels: str, device: str = "cuda:0", row_counts: tuple[int, ...] = ROW_COUNTS
-                   ) -> list[dict[str, int]]:
+                   ) -> list[dict[str, int | None]]:
     """Run a published and a released step at each row count (a one-process
     path pair; the frame over a loopback copy), and after each count, the
     compiled variants of each Triton kernel ({} for torch ops)."""
     dev = torch.device(device)
-    counts: list[dict[str, int]] = []
+    counts: list[dict[str, int | None]] = []
     kernel_fns: dict[str, Any] = {}
     if kernels == "triton":
         from ppsync.core.device_kernels import triton_jit
@@ -261,7 +272,9 @@ def kill_verdict(out_dir: str, world: int, timeout_s: float) -> tuple[bool, str]
 def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     """d through the async services: the receiver awaits post() (open_rank,
     ReceiveService.post), then queues a matmul chain on its main stream and
-    times it to completion, while the last rank publishes ``late_s`` late."""
+    times both to the chain's end, and post() to the frame's arrival, while
+    the last rank publishes ``late_s`` late (as ppsync.bench.gpu_workload_checks'
+    late_peer_rank)."""
     dev = device_of(env.rank)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
@@ -278,8 +291,8 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
                                    torch.zeros(8, dtype=torch.int32, device=dev))
                 return
             assert await rank.take() is None
+            t0 = time.perf_counter()  # before post(): a post that blocks counts too
             await rank.post(view)
-            t0 = time.perf_counter()
             size = 1024 if dev.type == "cuda" else 128  # the CPU dry run: logic, not load
             x = torch.randn(size, size, device=dev)
             for _ in range(20):
@@ -288,6 +301,7 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
                 torch.cuda.current_stream(dev).synchronize()
             result["main_s"] = time.perf_counter() - t0
             out = await rank.take()
+            result["frame_s"] = time.perf_counter() - t0
             result["delivered"] = (out is not None and torch.equal(
                 out.sampled_tokens.cpu(), step_tokens(0, 8, dev).cpu()))
 
@@ -298,15 +312,23 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
 # -- the checks, as gpu_check's table runs them ---------------------------------------------
 
 
+def premise_verdict(res: Result) -> tuple[bool, str]:
+    """f's verdict: right after the call the future is done (enqueued) and
+    the work is not completed (still behind the kernel), and it is once the
+    device is idle. Any other answer is a NCCL whose futures mean something
+    else than ppsync's completion assumes (docs/design.md)."""
+    premise = bool(res["future_done"]) and not res["is_completed"]
+    ok = premise and bool(res["is_completed_after_sync"])
+    return ok, (f"right after a broadcast behind a 0.5 s kernel: future done={res['future_done']}, "
+                f"work.is_completed()={res['is_completed']}; after a device sync "
+                f"is_completed()={res['is_completed_after_sync']} (premise "
+                f"{'holds' if premise else 'FALSE'}: future done at enqueue, work not completed)")
+
+
 def check_f() -> tuple[bool, str]:
     (res,) = spawn_ranks(functools.partial(premise_rank, "nccl"), 1, timeout_s=TIMEOUT_S,
                          start_method="spawn")
-    premise = res["future_done"] and not res["is_completed"]
-    return bool(res["is_completed_after_sync"]), (
-        f"right after a broadcast behind a 0.5 s kernel: future done={res['future_done']}, "
-        f"work.is_completed()={res['is_completed']}; after a device sync "
-        f"is_completed()={res['is_completed_after_sync']} (premise "
-        f"{'holds' if premise else 'does not hold'}: future done at enqueue)")
+    return premise_verdict(res)
 
 
 def check_g(gpus: int, steps: int = 40) -> tuple[bool, str]:
@@ -323,13 +345,25 @@ def check_g(gpus: int, steps: int = 40) -> tuple[bool, str]:
     return ok, "; ".join(parts)
 
 
-def check_h() -> tuple[bool, str]:
-    counts = in_fresh_process(variant_counts, "triton")
+def variants_verdict(counts: list[dict[str, int | None]], version: str) -> tuple[bool, str]:
+    """h's verdict on :func:`variant_counts`: SKIP (:class:`CheckSkipped`)
+    where the variants cannot be counted on this Triton; else each kernel
+    compiled after the first count and none compiled again after it."""
     first, last = counts[0], counts[-1]
+    unknown = sorted(k for k, v in first.items() if v is None)
+    if unknown:
+        raise CheckSkipped(f"Triton {version}: cannot count the compiled variants of "
+                           f"{unknown} (neither device_caches nor cache laid out as known)")
     grown = {k: f"{first[k]} -> {last[k]}" for k in first}
     return (bool(first) and first == last and all(first.values())), (
         f"compiled variants after n={ROW_COUNTS[0]} -> after n={ROW_COUNTS[-1]} "
         f"({len(ROW_COUNTS)} row counts): {grown}")
+
+
+def check_h() -> tuple[bool, str]:
+    import triton
+
+    return variants_verdict(variant_counts("triton"), triton.__version__)
 
 
 def check_i(gpus: int, timeout_s: float = 5.0) -> tuple[bool, str]:

@@ -1,26 +1,74 @@
-"""The ``ppsync`` command's arguments: the parser of every subcommand, and
-the value parsers that refuse a bad value at parsing (one line, exit 2)."""
+"""The ``ppsync`` command's arguments: the parser of every subcommand. A bad
+value is refused at parsing, in one line naming the flag, exit 2; bounds
+come from the models the flags set (ppsync.cli.bounds). Parsing imports no
+torch: ``ppsync --help`` answers at once."""
 
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, NoReturn, get_args
 
-from ppsync.core.completion import EMULATED
+from ppsync.cli.bounds import at_least, bounded, field_bounds, from_field
 from ppsync.debug.cli import add_debug_commands
+from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.config import (
     DEFAULT_TIMEOUT_S,
+    CodecName,
     DeviceKernelsName,
+    EmulatedName,
     HostKernelsName,
+    SyncConfig,
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
+DESCRIPTION = """\
+ppsync carries each step's sampled tokens (with accepted counts and drafts)
+from the last pipeline-parallel stage to every earlier one, over a dedicated
+torch.distributed group, every frame checked and every wait bounded. This
+command checks it: `launch` runs a synthetic engine workload over local gloo
+ranks and checks every delivered row; `run` is one rank of the same check
+under torchrun or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT; `bench` times it against raw broadcasts and vLLM's scheme;
+`dump` reads the flight recorder's dumps; `vllm-check` runs vLLM with and
+without it and compares the tokens."""
 
-class _Help(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless it says one itself."""
+EXIT_CODES = """\
+exit status of launch and run: 0 every row arrived exactly once and intact;
+1 a row was lost, stale, duplicated or corrupt, a rank failed, or the run was
+ended before its end (the table then says INCOMPLETE); 2 a bad argument or
+environment. dump show: 0 OK, 1 FAILED, 3 INCOMPLETE, 4 STOPPED. bench: 0
+(its targets are goals, never checked)."""
+
+BENCH_HELP = """\
+Time the token path on P local gloo ranks; print figures, never a pass/fail.
+
+lockstep (every rank enters each variant at the same instant; the worst case):
+  a_raw_frame     one raw broadcast of a frame's words (the floor)
+  b_vllm          vLLM's scheme: tokens / counts / drafts in 2-3 broadcasts
+  c_ppsync_sync   TokenPath, ring depth 1: publish; post then consume
+  d_ppsync_async  the same through the anyio services (asyncio)
+  span: first rank in to last rank out; last/recv: each role's own time
+pipelined (an engine-like loop, --compute-us of compute per step, D in flight):
+  vllm, ppsync_sync, ppsync_async: step time, time blocked in the token path,
+  done@cons (share of steps whose transfer was complete at consume), loop lag
+then: own CPU per step (lockstep, pipelined, and a hot loop of the real path,
+against vLLM's host calls), the flight recorder's CPU per step (on and off),
+dispatches per step, and the targets: goals set for P=2, 256 rows, K=0 or 3,
+C=400 us, printed for that configuration only, never checked (exit 0)."""
+
+DEVICES = ("cpu", "cuda", "xpu")
+"""Where ``run``'s tensors may live: the CPU and the accelerators whose
+platforms ppsync.core.platform knows (a test compares the two)."""
+
+DEMO_STEPS = 3000
+"""Steps of ``launch`` and ``run`` when --steps is not given (``make demo``'s)."""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless it says one itself;
+    descriptions and epilogs are printed as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -31,74 +79,62 @@ class _Help(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """A parser whose subcommands' parsers show their defaults too."""
+    """A parser whose subcommands' parsers show their defaults too, and whose
+    error about one argument is one line naming it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _Help)
         super().__init__(*args, **kwargs)
 
-
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < low:
-            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
-        return v
-
-    return parse
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("argument "):  # names the flag: one line is enough
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
 
 
-_positive = _at_least(1)
-_non_negative = _at_least(0)
+SECONDS_MAX = field_bounds(SyncConfig, "timeout_s")[2] or 86400.0
+"""The longest bound a flag takes: SyncConfig's timeout's."""
+
+_at_least = at_least
+_positive = at_least(1)
+_non_negative = at_least(0)
+_seconds = bounded(float, 0.0, SECONDS_MAX, low_in=False, unit=" seconds")
+_jitter_us = bounded(float, 0.0, SECONDS_MAX * 1e6, unit=" µs")
 
 
-SECONDS_MAX = 86400.0
-"""The longest bound a flag takes (a day), as SyncConfig's timeout."""
+def _sync(field: str, **kwargs: Any) -> Any:
+    return from_field(SyncConfig, field, **kwargs)
 
 
-def _number(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
-    return v
-
-
-def _seconds(text: str) -> float:
-    v = _number(text)
-    if not 0 < v <= SECONDS_MAX:
-        raise argparse.ArgumentTypeError(f"{v} must be in (0, {SECONDS_MAX:.0f}] seconds")
-    return v
-
-
-def _jitter_us(text: str) -> float:
-    v = _number(text)
-    if not 0 <= v <= SECONDS_MAX * 1e6:
-        raise argparse.ArgumentTypeError(f"{v} must be in [0, {SECONDS_MAX * 1e6:.0f}] µs")
-    return v
+def _bench_opt(field: str) -> Any:
+    return from_field(BenchOptions, field)
 
 
 def _workload_flags(la: argparse.ArgumentParser) -> None:
     """The flags ``launch`` and ``run`` share (one place for new ones)."""
-    la.add_argument("--steps", type=_positive, required=True, help="engine steps")
-    la.add_argument("--spec", type=int, default=0, help="speculative steps K")
-    la.add_argument("--max-num-reqs", type=_positive, default=64, help="request slots")
-    la.add_argument("--ring-depth", type=_positive, default=None, help="D (default pp_size)")
+    la.add_argument("--steps", type=_positive, default=DEMO_STEPS,
+                    help=f"engine steps (default {DEMO_STEPS}, the demo's; D more drain the ring)")
+    la.add_argument("--spec", type=_sync("num_speculative_steps"), default=0, metavar="K",
+                    help="speculative steps K (draft tokens per request per step)")
+    la.add_argument("--max-num-reqs", type=_sync("max_num_reqs"), default=64,
+                    help="request slots")
+    la.add_argument("--ring-depth", type=_sync("ring_depth"), default=None, metavar="D",
+                    help="steps between a receive's post and its consume (default pp_size)")
     la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
     la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
-    la.add_argument("--codec", choices=["host", "device"], default="host",
+    la.add_argument("--codec", choices=get_args(CodecName), default="host",
                     help="frame codec: host (numpy, the CPU default) or device (torch ops, "
-                    "checks deferred one step; runs on CPU tensors here)")
+                    "checks deferred one step; runs on CPU tensors here) (default: host)")
     la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
                     help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
-                    "CUDA/XPU where it imports, else torch)")
+                    "CUDA/XPU where it imports, else torch); only with --codec device")
     la.add_argument("--host-kernels", choices=get_args(HostKernelsName), default="auto",
-                    help="the host codec's kernels: numba, numpy or auto (numba where it "
-                    "loads, else numpy)")
-    la.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S,
-                    help="bound on every wait (s)")
+                    help="the host-side kernels (the batch facts, with either codec; the frames "
+                    "too with --codec host): numba, numpy or auto (numba where it loads, "
+                    "else numpy)")
+    la.add_argument("--timeout", type=_sync("timeout_s"), default=DEFAULT_TIMEOUT_S,
+                    help="bound on every wait (s); launch ends a rank that completes no "
+                    "step for this long plus a grace")
     la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
                     help="carry tokens through the anyio services (backend asyncio when "
@@ -108,7 +144,7 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--jitter-us", type=_jitter_us, default=0.0,
                     help="each rank pauses a random 0..N µs per step (slow, jittery ranks)")
     la.add_argument("--report", type=Path, default=None, help="write the run report as JSON")
-    la.add_argument("--emulate", choices=list(EMULATED), default=None,
+    la.add_argument("--emulate", choices=get_args(EmulatedName), default=None,
                     help="token groups whose works behave as this backend's (the CPU twin of "
                          "stream-ordered backends; needs --codec device and --wire fixed)")
     la.add_argument("--join-timeout", type=_seconds, default=120.0, metavar="S",
@@ -116,7 +152,7 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--progress-every", type=_seconds, default=5.0, metavar="S",
                     help="rank 0 prints steps done, steps/s and ETA to stderr every S seconds")
     la.add_argument("--quiet", action="store_true", help="no progress line")
-    la.add_argument("--flight-events", type=_non_negative, default=4096, metavar="N",
+    la.add_argument("--flight-events", type=_sync("flight_events"), default=4096, metavar="N",
                     help="events each rank's flight recorder keeps (0 = off)")
     la.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
                     help="ranks dump their flight records here on an error, on SIGUSR1 and "
@@ -124,20 +160,25 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ppsync", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p = _Parser(prog="ppsync", description=DESCRIPTION, epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True)
-    la = sub.add_parser("launch", help="run the workload over P local gloo ranks")
-    la.add_argument("--pp-size", type=_positive, required=True, help="ranks P per PP group")
+    la = sub.add_parser("launch", help="run the workload over P local gloo ranks",
+                        description="Run the synthetic workload over local gloo ranks and "
+                        "print one row per rank and a verdict line.", epilog=EXIT_CODES)
+    la.add_argument("--pp-size", type=_sync("pp_size", low=2, why=" (P = 1 has no receiver: "
+                    "nothing to check)"), required=True, help="ranks P per PP group")
     la.add_argument("--world-size", type=_positive, default=None,
                     help="ranks in all (default pp_size; a multiple: tensor x pipeline)")
+    la.add_argument("--stacks", action="store_true",
+                    help="a rank ended as stuck prints every thread's stack first (to stderr)")
     _workload_flags(la)
     ru = sub.add_parser("run", help="one rank from torchrun's environment (RANK, WORLD_SIZE, "
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 prints the table")
-    ru.add_argument("--device", choices=["cpu", "cuda", "xpu"], default="cpu",
+    ru.add_argument("--device", choices=DEVICES, default="cpu",
                     help="where each rank's tensors live: cuda / xpu use the accelerator at "
                     "LOCAL_RANK (modulo the visible count) and token groups on nccl / xccl; "
                     "needs --codec device")
-    ru.add_argument("--pp-size", type=_positive, default=None,
+    ru.add_argument("--pp-size", type=_sync("pp_size"), default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
     ru.add_argument("--check", action="store_true",
@@ -149,24 +190,27 @@ def _parser() -> argparse.ArgumentParser:
                     "counts its runs on the store); keys of other runs are never read")
     _workload_flags(ru)
     be = sub.add_parser("bench", help="time the token path against raw broadcasts and "
-                        "today's scheme on P local gloo ranks (lockstep and pipelined)")
-    be.add_argument("--pp-size", type=_positive, default=2, help="ranks P")
-    be.add_argument("--rows", type=_positive, default=256,
+                        "vLLM's scheme on P local gloo ranks (lockstep and pipelined)",
+                        description=BENCH_HELP)
+    be.add_argument("--pp-size", type=_bench_opt("pp_size"), default=2, help="ranks P")
+    be.add_argument("--rows", type=_bench_opt("rows"), default=256,
                     help="decode rows per step")
-    be.add_argument("--spec", type=int, default=0, help="speculative steps K")
-    be.add_argument("--iters", type=_positive, default=None,
+    be.add_argument("--spec", type=_bench_opt("spec"), default=0, metavar="K",
+                    help="speculative steps K")
+    be.add_argument("--iters", type=_bench_opt("iters"), default=None,
                     help="lockstep iterations (default 2000; 200 with --hidden)")
-    be.add_argument("--pipelined-iters", type=_positive, default=None,
+    be.add_argument("--pipelined-iters", type=_bench_opt("pipelined_iters"), default=None,
                     help="measured steps per pipelined scheme (default iters / 2)")
-    be.add_argument("--compute-us", type=int, default=400,
+    be.add_argument("--compute-us", type=_bench_opt("compute_us"), default=400,
                     help="simulated compute per pipelined step, µs")
-    be.add_argument("--warmup", type=int, default=100, help="warm-up iterations")
+    be.add_argument("--warmup", type=_bench_opt("warmup"), default=100,
+                    help="warm-up iterations")
     be.add_argument("--hidden", type=_bench_shape, default=None, metavar="ROWSxHIDDEN",
                     help="concurrent [ROWS, HIDDEN] float32 send/recv between stages on the "
                     "world group; token traffic runs on the dedicated group and on the world group")
-    be.add_argument("--max-num-reqs", type=_positive, default=None,
+    be.add_argument("--max-num-reqs", type=_bench_opt("max_num_reqs"), default=None,
                     help="request slots, the fixed frame's rows (default: rows)")
-    be.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S,
+    be.add_argument("--timeout", type=_bench_opt("timeout_s"), default=DEFAULT_TIMEOUT_S,
                     help="bound on every wait (s)")
     be.add_argument("--json", type=Path, default=None, metavar="FILE",
                     help="write every figure as JSON")
@@ -202,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="ppsync's host kernels in its run (PPSYNC_HOST_KERNELS)")
     vc.add_argument("--device-kernels", choices=["auto", "triton", "torch"], default=None,
                     help="ppsync's device kernels in its run (PPSYNC_DEVICE_KERNELS)")
-    vc.add_argument("--emulate", choices=list(EMULATED), default=None,
+    vc.add_argument("--emulate", choices=get_args(EmulatedName), default=None,
                     help="ppsync's token groups behave as NCCL's or XCCL's: the CPU twin "
                     "(PPSYNC_EMULATE; CPU only); the report shows each worker's twin counts")
     vc.add_argument("--handler-timeout", type=_seconds, default=None, metavar="S",
@@ -228,6 +272,27 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: a new temporary directory, kept)")
     add_debug_commands(sub)
     return p
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; a bad value or a combination of flags that
+    does not go together: one line naming the flag, exit 2."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.command in ("launch", "run") and args.codec != "device"
+            and args.device_kernels != "auto"):
+        _sub(parser, args.command).error(
+            f"argument --device-kernels: {args.device_kernels} is a kernel set of the "
+            f"device codec; --codec {args.codec} does not use it (add --codec device)")
+    return args
+
+
+def _sub(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            child: argparse.ArgumentParser = action.choices[name]
+            return child
+    return parser
 
 
 def _bench_shape(text: str) -> tuple[int, int]:

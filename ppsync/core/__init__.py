@@ -3,6 +3,10 @@ slot ring, the frame and its two codecs (host: numpy; device: torch ops),
 platforms (cpu, cuda, xpu), process groups, the failure board, the flight
 recorder and its dumps, and the token path that combines them."""
 
+# isort: off
+# first: an unsupported torch is refused before anything binds to it
+from ppsync.core.torch_support import TORCH_OLDEST  # noqa: F401
+# isort: on
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
 from ppsync.core.batch.mask import need_sampled_mask

@@ -317,16 +317,21 @@ def dump_on_error(path: Dumpable, err: BaseException) -> None:
     err.add_note(_notes[err])
 
 
-def dump_all(reason: DumpReason, directory: Path | None = None) -> list[Path]:
+def dump_all(reason: DumpReason, directory: Path | None = None, *,
+             error: BaseException | None = None) -> list[Path]:
     """Dump every kept token path into ``directory`` (default: the dump
-    directory; nothing when there is none). Never raises."""
+    directory; nothing when there is none). ``error``: what ended the
+    process (a :class:`~ppsync.errors.Stopped` naming the signal), the
+    footer's error of every path that recorded none of its own. Never raises."""
     directory = directory or dump_dir()
     if directory is None:
         return []
     out = []
     for path, name, _ in list(_paths):
+        own = path.recorder.last_error is not None
         with contextlib.suppress(Exception):
-            out.append(write_dump(path, directory / name, reason=reason))
+            out.append(write_dump(path, directory / name, reason=reason,
+                                  error=None if own else error))
     return out
 
 

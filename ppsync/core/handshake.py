@@ -17,7 +17,8 @@ import torch.distributed as dist
 from ppsync.core.codec import frames_on_device
 from ppsync.core.completion import Completion
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION
-from ppsync.errors import DesyncError
+from ppsync.core.liveness import FailureBoard
+from ppsync.errors import DesyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
@@ -42,13 +43,16 @@ class Handshake:
     :meth:`finish`, so the wait for slow peers never blocks the loop."""
 
     def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int,
-                 completion: Completion, device: torch.device | None = None,
-                 device_kernels: str = "none") -> None:
+                 completion: Completion, board: FailureBoard | None = None,
+                 device: torch.device | None = None, device_kernels: str = "none") -> None:
         """``completion``: the group's semantics (on a stream-ordered group the
         wait polls the work's end, then orders the current stream after it);
         ``device``: where the words go (an NCCL / XCCL group takes device
         tensors only; start-up, so reading them back is no hot-path sync);
-        ``device_kernels``: the device codec's kernel set ("none": host codec)."""
+        ``device_kernels``: the device codec's kernel set ("none": host codec);
+        ``board``: where this rank marks its arrival (:func:`never_arrived`)."""
+        if board is not None:
+            board.arrive("handshake")
         self.config = config
         self.completion = completion
         self.rank = rank
@@ -82,6 +86,18 @@ class Handshake:
                     expected=ref, received=theirs,
                 )
         return int(self._gathered[0][-1])
+
+
+def never_arrived(err: SyncTimeout, board: FailureBoard | None) -> SyncTimeout:
+    """A handshake that did not complete within timeout_s (``err``): the
+    error naming the ranks that never reached it, from their arrival marks
+    on the board (``err`` itself where nobody can be named)."""
+    absent = [] if board is None else board.absent("handshake")
+    if not absent:
+        return err
+    ranks = ", ".join(map(str, absent))
+    return SyncTimeout(f"{err}: rank(s) {ranks} (global) never reached the configuration "
+                       "handshake", peer=absent[0])
 
 
 def _word(field: str, value: int) -> str:

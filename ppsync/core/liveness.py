@@ -117,6 +117,22 @@ class FailureBoard:
         self._silent = not answered
         return result
 
+    def arrive(self, step: str) -> None:
+        """This rank reached start-up ``step`` (each rank takes it once), so
+        that :meth:`absent` can name the ranks that never did."""
+        self._ask(lambda: self.store.set(self._arrival(step, self.me), "1"), None)
+
+    def absent(self, step: str) -> list[int]:
+        """The ranks that have not reached ``step``; [] when the store cannot say."""
+        def check() -> list[int]:
+            return [r for r in self.ranks if not self.store.check([self._arrival(step, r)])]
+
+        return self._ask(check, [])
+
+    def _arrival(self, step: str, rank: int) -> str:
+        group_id = "-".join(str(r) for r in self.ranks)
+        return f"{self._namespace}/arrived/{step}/{group_id}/{rank}"
+
     @property
     def has_posted(self) -> bool:
         """Whether this rank posted a notice already."""

@@ -24,11 +24,10 @@ which codec it has.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -43,13 +42,13 @@ from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
-from ppsync.core.handshake import Handshake
+from ppsync.core.handshake import Handshake, never_arrived
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.ring import SlotRing
-from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep
-from ppsync.core.teardown import bound_group_timeout, keep_until_exit
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, role_error
+from ppsync.core.teardown import keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock
 from ppsync.core.waits import InFlight, Waits, named_failure
 from ppsync.errors import (
@@ -59,35 +58,11 @@ from ppsync.errors import (
     PeerLost,
     PPSyncError,
     ProtocolError,
-    RoleError,
     SyncTimeout,
 )
 from ppsync.schemas.config import SyncConfig
 
 T = TypeVar("T")
-R = TypeVar("R")
-S = TypeVar("S")
-P = ParamSpec("P")
-
-
-def takes_args_of(
-    of: Callable[Concatenate[Any, P], object],
-) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
-    """Type a method that forwards its arguments as taking those of ``of``
-    (a method too): one signature, written once, for the calls that pass
-    it on (publish: TokenPath.prepare's, through the services)."""
-    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
-        method.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
-        return method
-    return typed
-
-
-def role_error(op: str, *, rank: int, pp_size: int, last: bool) -> RoleError:
-    """``op()`` belongs to the last rank (``last``) or to the others, and
-    group ``rank`` of ``pp_size`` is not such a rank."""
-    who = "the last rank" if last else "a non-last rank"
-    return RoleError(f"{op}() belongs to {who}; group rank {rank} of pp_size {pp_size} is "
-                     f"{'not the last' if last else 'the last'} rank")
 
 
 class PathBase:
@@ -129,13 +104,13 @@ class PathBase:
         self.completion: Completion = completion_for(group, backend)
         """What the group's works mean (host-completed: gloo; stream-ordered:
         NCCL, XCCL, the CPU twin): every wait and stream order asks it."""
-        bound_group_timeout(group, self.completion.group_timeout_s(config.timeout_s))
         self.transport: Broadcaster = self.completion.broadcaster(group, config.pp_size - 1)
         """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
         may put a loopback in its place (ppsync.bench.loopback)."""
         self.platform = self.completion.platform(
             platform if isinstance(platform, Platform) else platform_for(device, platform))
         self.backend = backend
+        self.completion.bind(group, config.timeout_s, self.platform)
         # chosen before the handshake: a codec the backend cannot carry raises
         # before anything is issued
         self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
@@ -143,7 +118,7 @@ class PathBase:
         """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
         on_device = self.completion.device_only
         self.handshake: Handshake | None = Handshake(
-            config, group, rank=self.rank, completion=self.completion,
+            config, group, rank=self.rank, completion=self.completion, board=self.board,
             device=self.platform.device if on_device else None,
             device_kernels=self.codec.device_kernels_name)
         """Issued at once; finished here, or by the caller (``wait_handshake``
@@ -180,10 +155,23 @@ class PathBase:
         Every other call needs it done."""
         if self.handshake is None:
             return
-        self.run_id = self.handshake.finish()
+        try:
+            self.run_id = self.handshake.finish()
+        except SyncTimeout as e:
+            raise self.handshake_error(e) from None
         self.handshake = None
         if self.board is not None:
             self.board.bind_run(self.run_id)
+
+    def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
+        """The start-up handshake did not complete within timeout_s: the
+        error naming the ranks that never reached it (from the board), the
+        group aborted where that is how its pending transfer ends (the
+        communicator's first use must not spin, nor meet NCCL's watchdog)."""
+        err = never_arrived(err, self.board)
+        self._abort(err)
+        keep_until_exit(self.group)
+        return err
 
     @property
     def clock(self) -> TransportClock | None:
@@ -197,13 +185,14 @@ class PathBase:
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         clock = self._waits.clock
-        if clock is None:
-            return self.transport.issue(buf)
-        t0 = time.thread_time_ns()
-        try:
-            return self.transport.issue(buf)
-        finally:
+        t0 = 0 if clock is None else time.thread_time_ns()
+        work = self.transport.issue(buf)
+        if clock is not None:
             clock.issue_ns += time.thread_time_ns() - t0
+        if self.completion.stream_ordered:  # bounded from its post (completion.guard)
+            what = "send" if self.is_last else "receive"
+            self.completion.issued(work, f"rank {self.rank}: {what} of frame {self.seq}")
+        return work
 
     # -- the async contract (see the module docstring) -------------------
 
@@ -384,6 +373,7 @@ class PathBase:
                 # (the CPU twin's gloo): the group is never destroyed
                 keep_until_exit(self.group)
             self.codec.close()
+            self.completion.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
 

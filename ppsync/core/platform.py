@@ -9,7 +9,10 @@ steps are plain torch ops; only these calls depend on where the frame lives:
 - ``record_stream`` for a buffer made on one stream and used on another;
 - a host staging buffer (pinned where the device has pinned memory), so
   host facts reach the device with ``non_blocking`` copies;
-- XPU synchronizes the main stream before the last rank sends (rule 6);
+- XPU orders the side stream after the main stream with an explicit event
+  before the last rank sends (rule 6), never a host sync;
+- :meth:`Platform.capture_safe`: a thread that polls a work's end while the
+  engine may capture a CUDA graph does so with the thread-local capture mode;
 - XPU engines that turn microbatching off run the ring at depth 1: that
   switch is ``SyncConfig.ring_depth = 1``; :attr:`Platform.ring_depth_hint`
   says which depth the platform's engines use by default.
@@ -21,8 +24,10 @@ transfer's own completion is still observed through its work (gloo).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import ctypes
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -70,7 +75,6 @@ class Platform:
 
     name = "cpu"
     backend = "gloo"
-    sync_main_before_send = False
     ring_depth_hint: int | None = None
     """The ring depth the platform's engines use (None: pp_size)."""
     host_reads_free = True
@@ -125,6 +129,11 @@ class Platform:
         """[words] int64 host staging buffer (pinned on a device)."""
         return torch.empty(words, dtype=torch.int64)
 
+    def capture_safe(self) -> AbstractContextManager[object]:
+        """Entered around a poll of a work's end (``is_completed()``, an
+        event query) from a thread other than the engine's: see CUDA's."""
+        return nullcontext()
+
 
 class _AcceleratorPlatform(Platform):
     """CUDA and XPU: the same calls through ``torch.cuda`` / ``torch.xpu``."""
@@ -172,17 +181,59 @@ class CudaPlatform(_AcceleratorPlatform):
     name = "cuda"
     backend = "nccl"
 
+    def capture_safe(self) -> AbstractContextManager[object]:
+        # An event query from another thread while the engine's thread
+        # captures a CUDA graph in the default (global) mode invalidates the
+        # capture; torch's own watchdog polls under the thread-local mode
+        return thread_local_capture()
+
 
 class XpuPlatform(_AcceleratorPlatform):
     name = "xpu"
     backend = "xccl"
-    sync_main_before_send = True
     ring_depth_hint = 1
 
     def before_send(self, main: Any) -> None:
         # XPU: the sampler's outputs must be complete before the collective
-        # reads them (rule 6); the side stream's wait alone is not relied on
-        main.synchronize()
+        # reads them (rule 6). An event recorded on the main stream, waited
+        # on by the current (side) stream that issues the collective, orders
+        # it device-side; a host sync here would end the CPU / GPU overlap
+        # that async scheduling relies on
+        event = self._mod.Event()
+        event.record(main)
+        self._mod.current_stream(self.device).wait_event(event)
+
+
+@contextmanager
+def thread_local_capture() -> Iterator[None]:
+    """This thread's CUDA stream-capture mode is thread-local inside the
+    block (the driver's ``cuThreadExchangeStreamCaptureMode``), as torch's
+    NCCL watchdog does around its queries; where the driver cannot be
+    loaded (no CUDA here) the block runs as it is."""
+    cuda = _driver()
+    if cuda is None:
+        yield
+        return
+    mode = ctypes.c_int(_CAPTURE_THREAD_LOCAL)
+    swapped = cuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+    try:
+        yield
+    finally:
+        if swapped:
+            cuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+
+
+_CAPTURE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+
+
+@functools.cache
+def _driver() -> Any:
+    """The CUDA driver library (one per process, whichever runtime torch
+    carries), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
 
 
 _BY_NAME: dict[str, type[Platform]] = {"cpu": Platform, "cuda": CudaPlatform,

@@ -1,10 +1,14 @@
 """The records one token path keeps between the calls of a step: the
-caller's names for its calls, a receive posted and waiting in the ring, and
-a last-rank step that passed its checks."""
+caller's names for its calls (and the errors and signatures that speak
+them), a receive posted and waiting in the ring, and a last-rank step that
+passed its checks."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -13,6 +17,7 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.frame import FrameView
+from ppsync.errors import RoleError
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +33,31 @@ class CallNames:
 
 TOKEN_PATH_NAMES = CallNames()
 """The token path's own names: consume(), post(), publish()."""
+
+
+R = TypeVar("R")
+S = TypeVar("S")
+P = ParamSpec("P")
+
+
+def takes_args_of(
+    of: Callable[Concatenate[Any, P], object],
+) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
+    """Type a method that forwards its arguments as taking those of ``of``
+    (a method too): one signature, written once, for the calls that pass
+    it on (publish: TokenPath.prepare's, through the services)."""
+    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
+        method.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
+        return method
+    return typed
+
+
+def role_error(op: str, *, rank: int, pp_size: int, last: bool) -> RoleError:
+    """``op()`` belongs to the last rank (``last``) or to the others, and
+    group ``rank`` of ``pp_size`` is not such a rank."""
+    who = "the last rank" if last else "a non-last rank"
+    return RoleError(f"{op}() belongs to {who}; group rank {rank} of pp_size {pp_size} is "
+                     f"{'not the last' if last else 'the last'} rank")
 
 
 @dataclass(slots=True)

@@ -29,9 +29,9 @@ from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target, check_sample_width
 from ppsync.core.codec import StepDrafts
 from ppsync.core.dumps import records_errors
-from ppsync.core.path_base import PathBase, takes_args_of
+from ppsync.core.path_base import PathBase
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep, PreparedStep
+from ppsync.core.steps import PendingStep, PreparedStep, takes_args_of
 from ppsync.errors import BatchError, ProtocolError
 
 

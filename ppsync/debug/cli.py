@@ -119,7 +119,15 @@ def _show(args: argparse.Namespace) -> int:
         print(report.model_dump_json(indent=2))
     else:
         print(format_world(report))
-    return 0
+    return SHOW_EXIT[report.verdict]
+
+
+SHOW_EXIT = {"ok": 0, "failed": 1, "incomplete": 3, "stopped": 4}
+"""``ppsync dump show``'s exit status by world verdict (1 also: no dump
+could be read; 2: a bad argument)."""
+SHOW_EXIT_HELP = ("exit status: 0 OK; 1 FAILED (or no dump could be read); 2 a bad argument; "
+                  "3 INCOMPLETE (no error at hand, a rank's dump missing); 4 STOPPED (no "
+                  "error at hand, the run ended by a signal)")
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -204,7 +212,7 @@ def add_debug_commands(sub: Any) -> None:
                     help="schema directory (default: the schemas of this ppsync)")
     va.set_defaults(run=_validate)
     sh = dsub.add_parser("show", help="merge a world's dumps (every PP group) and name "
-                         "the culprit")
+                         "the culprit", epilog=SHOW_EXIT_HELP)
     sh.add_argument("files", type=Path, nargs="+", metavar="FILE")
     sh.add_argument("--json", action="store_true", help="print the report as JSON")
     sh.add_argument("--run", dest="run_id", type=_run_id, default=None, metavar="ID",

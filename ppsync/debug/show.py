@@ -21,7 +21,11 @@ dumped (a stalled rank that resumed dumps too, last: silent, since it
 outlived their giving up); a rank without a dump while a survivor failed
 -> lost or silent; an error with every rank dumped and no rank named ->
 the rank that stopped first (oldest last event, its own error event not
-counted); otherwise OK. A rank without a dump that nobody waited on is
+counted); otherwise OK. A footer whose error is ``Stopped`` (the process
+was ended by a signal: a launcher stopping its ranks) is no error of the
+rank's: its state says ``stopped_by`` the signal, and the group's
+``stopped_by`` the first such signal (the world's verdict then reads
+STOPPED, not OK: the run did not run to its end). A rank without a dump that nobody waited on is
 only "not at hand" (each host of a multi-host run keeps its own dump
 directory). The summary says how sure the verdict is.
 
@@ -33,6 +37,7 @@ groups here.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -71,6 +76,9 @@ class RankState(BaseModel):
     last_event_ms: float | None = None
     """Time of its last event, ms after the group's first event (clocks
     aligned by the dumps' clock pairs)."""
+    stopped_by: str | None = None
+    """The signal that ended the process (its footer's ``Stopped`` error),
+    e.g. 'SIGTERM'; None: not ended by one."""
 
 
 class Divergence(BaseModel):
@@ -118,6 +126,9 @@ class GroupReport(BaseModel):
     """How sure the verdict is, e.g. 'every survivor waited on rank 1'."""
     summary: str
     """One line, e.g. 'rank 1 lost at seq 1041: ranks 0 and 2 waited on it'."""
+    stopped_by: str | None = None
+    """The signal that ended a rank of the group (the first rank's); None:
+    none was ended by a signal."""
 
 
 _VIEW_FIELDS = ("num_reqs", "rows_needed", "idx_digest")
@@ -164,9 +175,12 @@ def _state(d: RankDump, t0_ns: int) -> RankState:
     # resumes), so the last event of the work it did is what dates it
     work = [e for e in d.events if e["kind"] != "error"]
     last_ev = d.wall_of(work[-1]["mono_ns"]) if work else None
+    stopped = f.error_type == "Stopped"  # ended by a signal: not an error of its own
+    signal = re.search(r"SIG[A-Z0-9]+", f.error_message or "") if stopped else None
     return RankState(
         rank=d.rank, group_rank=d.header.group_rank, dumped=True, reason=d.header.reason,
-        error=f"{f.error_type}: {f.error_message}" if f.error_type else None,
+        error=f"{f.error_type}: {f.error_message}" if f.error_type and not stopped else None,
+        stopped_by=(signal.group(0) if signal else "a signal") if stopped else None,
         last_step=f.last_step, last_seq=f.next_seq - 1,
         waiting_seq=wseq, waiting_op=waiting.op if waiting else None,
         waited_ms=waiting.age_ns / 1e6 if waiting else None,
@@ -272,7 +286,8 @@ def analyse(dumps: Sequence[RankDump]) -> GroupReport:
     return GroupReport(group_ranks=group, ranks=states, missing=missing, ahead=ahead,
                        stopped_first=stopped, divergence=div, verdict=verdict,
                        culprit_rank=culprit, culprit_seq=seq, evidence=evidence,
-                       summary=summary)
+                       summary=summary,
+                       stopped_by=next((s.stopped_by for s in live if s.stopped_by), None))
 
 
 def group_dumps(dumps: Sequence[RankDump]) -> list[list[RankDump]]:
@@ -309,7 +324,7 @@ def format_report(report: GroupReport) -> str:
             f"{s.rank:>4} {s.reason or '':<7} {s.last_step!s:>6} {s.last_seq!s:>6} {wait:<14} "
             f"{'-' if s.waited_ms is None else f'{s.waited_ms:.1f}':>9} "
             f"{'-' if s.last_event_ms is None else f'{s.last_event_ms:.1f}':>9}  "
-            f"{(s.error or '')[:160]}")
+            f"{(s.error or (f'stopped by {s.stopped_by}' if s.stopped_by else ''))[:160]}")
     lines += [f"ahead: {a}" for a in report.ahead]
     if report.missing:
         lines.append(f"never dumped: {rank_names(report.missing)}")

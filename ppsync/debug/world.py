@@ -18,7 +18,10 @@ stopped). With no error at hand but a rank of the world without a dump (a
 group's missing rank nobody waited on, or every rank of a group), the
 world is INCOMPLETE, never OK: that rank's dump may be on another host (each
 host of a multi-host run keeps its own dump directory), or it failed before
-its token path opened (a rank lost during its group's handshake).
+its token path opened (a rank lost during its group's handshake). With no
+error at hand but a rank ended by a signal (a launcher stopped the run:
+SIGTERM, SIGINT), the world is STOPPED, naming the signal: no fault was
+found, and the run was not checked to its end.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ class WorldReport(BaseModel):
     """One report per PP group with a dump, in order of their first rank."""
     not_at_hand: list[int]
     """World ranks in no group with a dump."""
-    verdict: Literal["ok", "incomplete", "failed"]
+    verdict: Literal["ok", "incomplete", "stopped", "failed"]
     """ok: every rank of the world dumped and every group's verdict is ok;
     incomplete: no error at hand, but a rank of the world has no dump;
+    stopped: no error at hand, but a rank was ended by a signal;
     failed: a group's verdict is not ok."""
     culprit_rank: int | None
     """The rank the failed group's verdict blames."""
@@ -139,13 +143,20 @@ def analyse_world(dumps: Sequence[RankDump], key: WorldKey) -> WorldReport:
                        f"{len(groups)} group{'s' * (len(groups) != 1)}); no dump from "
                        f"{rank_names(unseen)}: not at hand (another host's dump directory), "
                        "or failed before its token path opened")
+    signals = sorted({g.stopped_by for g in groups if g.stopped_by})
+    if signals and not failed:
+        ranks = sum(len(g.ranks) - len(g.missing) for g in groups)
+        summary = (f"STOPPED by {', '.join(signals)}: no error in the dumps at hand ({ranks} "
+                   f"ranks); the run was ended from outside before its end"
+                   + (f"; {summary}" if summary.startswith("INCOMPLETE") else ""))
     if absent and failed:
         summary += f"; no dump from {rank_names(absent)} of the world"
     return WorldReport(
         world_id=key[1] if key[0] == "world" else 0,
         run_id=key[1] if key[0] == "run" else None, world_size=size, groups=groups,
         not_at_hand=absent,
-        verdict="failed" if failed else "incomplete" if "INCOMPLETE" in summary else "ok",
+        verdict="failed" if failed else "stopped" if signals else
+        "incomplete" if "INCOMPLETE" in summary else "ok",
         culprit_rank=failed[0].culprit_rank if failed else None, summary=summary)
 
 

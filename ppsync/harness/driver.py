@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
 from ppsync.core.token_path import TokenPath
+from ppsync.harness import step_board
 from ppsync.harness.checker import Checker
 from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig
@@ -123,6 +124,7 @@ class StepLoop:
             self.rows_sent += needed
         if self.progress is not None:
             self.progress(t)
+        step_board.note(t + 1, self.transfers, self.rows_sent, self.checker.tally)
 
     def report(self, rank: int) -> RankReport:
         p50, p99 = percentiles_us(self.blocked_ns[: self.wcfg.steps])
@@ -256,7 +258,15 @@ def run_sync_rank(
         with hot():
             result = calls[name](*args)
     path.close()
-    return loop.report(path.rank)
+    return with_kernels(loop.report(path.rank), path)
+
+
+def with_kernels(report: RankReport, path: TokenPath) -> RankReport:
+    """``report`` naming the kernel sets ``path`` resolved ("auto" chosen)."""
+    device = path.codec.device_kernels_name
+    return report.model_copy(update={
+        "host_kernels": path.codec.kernels.name,
+        "device_kernels": None if device == "none" else device})
 
 
 def run_async_rank_blocking(
@@ -284,6 +294,6 @@ def run_async_rank_blocking(
             while (call := next_call(steps, result)) is not None:
                 name, args = call
                 result = await calls[name](*args)
-        return loop.report(rank.rank)
+        return with_kernels(loop.report(rank.rank), rank.path)
 
     return anyio.run(run, backend=backend)

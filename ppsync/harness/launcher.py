@@ -5,7 +5,10 @@ each child and calls a target that joins the world itself (``ppsync launch``
 runs the rank code of ``ppsync run`` this way); :func:`spawn_ranks` joins the
 world for its target (the benchmarks and the multi-process tests). Every wait
 is bounded: a rank that does not report within ``timeout_s`` gets the whole
-run killed and a :class:`SyncTimeout`, never an endless hang; once a rank has
+run killed and a :class:`SyncTimeout`, never an endless hang; with a
+:class:`~ppsync.harness.step_board.StepBoard` (``ppsync launch``) the bound
+is on progress instead: a rank that completes no step for ``stall_s`` is
+ended as stuck, and a run that keeps stepping runs to its end; once a rank has
 failed, the others get a grace (``failed_grace_s``) to fail or finish and are
 then ended. SIGTERM or SIGINT to the launcher is passed on to every rank and
 the store process, which are killed after :data:`STOP_GRACE_S`
@@ -33,13 +36,15 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ppsync.core.dumps import dump_all, install_dump_triggers
 from ppsync.core.liveness import FailureBoard
-from ppsync.errors import PeerLost, RankFailed, SyncTimeout
+from ppsync.errors import PeerLost, RankFailed, Stopped, SyncTimeout
 from ppsync.harness.lifetime import (
     StopGuard,
     default_stop_signals,
     die_with_parent,
     on_stop_signals,
+    set_process_name,
 )
+from ppsync.harness.step_board import StallWatch, StepBoard, claim
 from ppsync.harness.world import WorldEnv
 
 R = TypeVar("R")
@@ -77,6 +82,7 @@ class _Job(Generic[R]):
     env: dict[str, str]
     joins_itself: bool  # the target joins the world from the environment (spawn_world)
     parent_pid: int  # the launcher: this rank ends when it does
+    board: StepBoard | None  # this rank notes its steps there (spawn_world's runs)
 
 
 def _world_environ(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -121,6 +127,8 @@ def _child(job: _Job[R], conn: Connection) -> None:
         # to fd 2 itself (sys.stderr may be a capture without a file descriptor),
         # and with a dump directory ($PPSYNC_DUMP_DIR) dumps its flight record
         install_dump_triggers(None)
+        if job.board is not None:
+            claim(job.board, job.rank)
         on_stop_signals(_stopped_rank)
         result = _call(job)
         conn.send(("ok", result))
@@ -139,7 +147,7 @@ def _child(job: _Job[R], conn: Connection) -> None:
 def _stopped_rank(signum: int, frame: object) -> None:
     """A rank told to stop (the launcher passes SIGTERM / SIGINT on): dump the
     flight record (no-op without a dump directory) and end."""
-    dump_all("signal")
+    dump_all("signal", error=Stopped(f"stopped by {signal.Signals(signum).name}", signum))
     os._exit(128 + signum)
 
 
@@ -148,6 +156,7 @@ def _store_host(timeout_s: float, conn: Connection, parent_pid: int) -> None:
     try:
         default_stop_signals()
         die_with_parent(parent_pid)
+        set_process_name("ppsync store")
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
         conn.send(store.port)
@@ -176,7 +185,7 @@ def _start_store_host(ctx: Any, timeout_s: float) -> tuple[mp.process.BaseProces
 def _dump_stacks(procs: list[mp.process.BaseProcess]) -> None:
     """Ask stuck ranks to print their threads' stacks (to their stderr) and,
     with a dump directory, to dump their flight records, before they are
-    killed, so a hang leaves a trace."""
+    killed, so a hang leaves a trace (``spawn_world``: when asked for)."""
     for p in procs:
         if p.pid is not None and p.is_alive():
             with contextlib.suppress(ProcessLookupError):
@@ -192,14 +201,25 @@ def spawn_world(
     start_method: str = "fork",
     env: dict[str, str] | None = None,
     failed_grace_s: float | None = None,
+    board: StepBoard | None = None,
+    stall_s: float = 60.0,
+    setup_s: float = 120.0,
+    stacks: bool = False,
 ) -> list[R]:
     """Run ``target(WorldEnv)`` on ranks 0..world_size-1 in separate
     processes, each given torchrun's environment (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE)
     with the store hosted by a process of its own; the target joins the world
-    itself. Results, errors and bounds as :func:`spawn_ranks`."""
+    itself. Results and errors as :func:`spawn_ranks`. With ``board`` (the
+    ranks note their steps there) no bound is put on the whole run: a rank
+    that completes no step for ``stall_s`` (``setup_s`` before its first)
+    is ended as stuck, a failure like a rank's own. ``stacks``: a stuck rank
+    is sent SIGUSR1 before it is ended (its threads' stacks printed, its
+    flight record dumped); without it nothing is printed."""
     return _spawn(target, world_size, timeout_s, start_method, env, None,
-                  failed_grace_s, joins_itself=True)
+                  failed_grace_s, joins_itself=True,
+                  watch=None if board is None else StallWatch(board, stall_s, setup_s),
+                  stacks=stacks)
 
 
 def spawn_ranks(
@@ -226,7 +246,7 @@ def spawn_ranks(
     :class:`~ppsync.errors.Stopped` on SIGTERM / SIGINT (main thread only).
     Every child is gone when this returns or raises."""
     return _spawn(target, world_size, timeout_s, start_method, env, per_rank_env,
-                  failed_grace_s, joins_itself=False)
+                  failed_grace_s, joins_itself=False, watch=None, stacks=True)
 
 
 def _spawn(
@@ -239,6 +259,8 @@ def _spawn(
     failed_grace_s: float | None,
     *,
     joins_itself: bool,
+    watch: StallWatch | None,
+    stacks: bool,
 ) -> list[R]:
     ctx: Any = mp.get_context(start_method)  # "fork" or "spawn"; typeshed lacks .Process
     grace = timeout_s + 5.0 if failed_grace_s is None else failed_grace_s
@@ -259,13 +281,13 @@ def _spawn(
                     extra.update(per_rank_env[rank])
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 job = _Job(target, rank, world_size, port, timeout_s, extra, joins_itself,
-                           os.getpid())
+                           os.getpid(), None if watch is None else watch.board)
                 p = ctx.Process(target=_child, args=(job, child_end), daemon=True)
                 p.start()
                 child_end.close()
                 procs.append(p)
                 conns[parent_end] = rank
-            return _collect(procs, conns, world_size, timeout_s, grace)
+            return _collect(procs, conns, world_size, timeout_s, grace, watch, stacks)
         finally:
             guard.hold()
             _end(procs, host, stopped=guard.signum is not None)
@@ -275,16 +297,28 @@ def _spawn(
 
 
 def _collect(procs: list[mp.process.BaseProcess], conns: dict[Connection, int],
-             world_size: int, timeout_s: float, grace: float) -> list[R]:
+             world_size: int, timeout_s: float, grace: float,
+             watch: StallWatch | None = None, stacks: bool = True) -> list[R]:
     """Every rank's result, in rank order; RankFailed / SyncTimeout as
     :func:`spawn_ranks` says. ``conns`` keeps the ranks not yet heard from."""
     results: dict[int, R] = {}
     errors: dict[int, BaseException | str] = {}
-    deadline = time.monotonic() + timeout_s + 10.0
+    deadline = time.monotonic() + (timeout_s + 10.0 if watch is None else float("inf"))
     while conns:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            _dump_stacks([procs[r] for r in conns.values()])
+        if watch is not None:
+            stuck = watch.stuck(sorted(conns.values()))
+            if stuck and stacks:
+                _dump_stacks([procs[r] for r in stuck])
+                deadline = min(deadline, time.monotonic() + grace)
+            for r, why in stuck.items():
+                del conns[next(c for c, rank in conns.items() if rank == r)]
+                errors[r] = why
+            if not conns:
+                break
+        left = min(deadline - time.monotonic(), 1.0 if watch is not None else float("inf"))
+        if deadline - time.monotonic() <= 0:
+            if stacks:
+                _dump_stacks([procs[r] for r in conns.values()])
             if errors:  # the others had their grace after the first failure
                 first = min(errors)
                 for r in conns.values():
@@ -295,7 +329,7 @@ def _collect(procs: list[mp.process.BaseProcess], conns: dict[Connection, int],
                 f"ranks {sorted(conns.values())} did not finish within "
                 f"timeout_s + 10 = {timeout_s + 10:.0f} s"
             )
-        for c in wait(list(conns), timeout=left):
+        for c in wait(list(conns), timeout=max(0.0, left)):
             rank = conns.pop(c)  # type: ignore[call-overload]
             assert isinstance(c, Connection)
             try:

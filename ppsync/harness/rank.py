@@ -11,6 +11,7 @@ the same verdict. ``ppsync launch`` spawns processes that run exactly this.
 from __future__ import annotations
 
 import datetime
+import os
 import secrets
 import sys
 import time
@@ -35,6 +36,7 @@ from ppsync.harness.driver import (
     run_sync_rank,
     workload_config,
 )
+from ppsync.harness.lifetime import set_process_name
 from ppsync.harness.world import WorldEnv
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport, RunReport
@@ -86,8 +88,8 @@ class Progress:
         rate = (done - self.first_done) / max(now - self.started, 1e-9)
         total = self.steps + self.drain
         eta = (total - done) / rate if rate > 0 else 0.0
-        drain = f"+{self.drain} drain" if self.drain else ""
-        print(f"ppsync: step {done}/{self.steps}{drain}  {rate:.0f} steps/s  ETA {eta:.0f} s",
+        of = f"{total} ({self.steps} + {self.drain} drain)" if self.drain else f"{total}"
+        print(f"ppsync: step {done}/{of}  {rate:.0f} steps/s  ETA {eta:.0f} s",
               file=self.out or sys.stderr, flush=True)
 
 
@@ -105,6 +107,22 @@ def _run_group(
         return run_sync_rank(path, wcfg, jitter_us=opts.jitter_us, progress=progress)
     return run_async_rank_blocking(config, group, wcfg, opts.backend, board, opts.jitter_us,
                                    progress=progress, device=device)
+
+
+TWIN_ABORT_HANG = "PPSYNC_TWIN_ABORT_HANG_S"
+"""Seconds the CPU twin's NCCL abort blocks (``inf``: for ever), as
+``ncclCommAbort`` can when another communicator's kernel is stuck: for the
+fault suites' runs of ``launch --emulate nccl``."""
+
+
+def twin_abort_hang_s() -> float:
+    """:data:`TWIN_ABORT_HANG` as a number (0 when unset); ConfigError otherwise."""
+    text = os.environ.get(TWIN_ABORT_HANG, "0")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{TWIN_ABORT_HANG} = {text!r} must be a number of seconds "
+                          "(inf: for ever)") from None
 
 
 def completion_facts(group: dist.ProcessGroup, emulated: str | None) -> dict[str, object]:
@@ -152,11 +170,13 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     # group's; the final gather's is set here).
     _, group = token_groups(layout, timeout_s=opts.join_timeout_s, backend=backend)
     if opts.emulate is not None:
-        emulate(group, opts.emulate)
+        emulate(group, opts.emulate, abort_hang_s=twin_abort_hang_s())
     gather = dist.new_group(list(range(world.world_size)),
                             timeout=datetime.timedelta(seconds=opts.join_timeout_s))
     gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))
     index = next(i for i, ranks in enumerate(layout) if world.rank in ranks)
+    role = "last" if layout[index][-1] == world.rank else "recv"
+    set_process_name(f"ppsync r{world.rank} {role}")  # what `ps -e` and `top` show
     board = FailureBoard(store, ranks=layout[index], me=world.rank)
     progress = None
     if opts.progress_s is not None and world.rank == 0:
@@ -177,5 +197,5 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     return RunReport(
         config=config, steps=opts.steps, seed=opts.seed,
         mode="sync" if opts.backend is None else "async",
-        world_size=world.world_size, ranks=ranks,
+        world_size=world.world_size, ranks=ranks, backend=opts.backend, emulate=opts.emulate,
     )

@@ -7,14 +7,25 @@ import functools
 from pathlib import Path
 
 from ppsync.core.groups import pipeline_layout
+from ppsync.errors import RankFailed, Stopped, SyncTimeout
 from ppsync.harness.driver import Backend
 from ppsync.harness.launcher import spawn_world
 from ppsync.harness.rank import RunOptions, run_rank
+from ppsync.harness.step_board import StepBoard
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.report import RankReport, RunReport
 
 __all__ = ["RunOptions", "format_table", "run_local"]
+
+
+STALL_GRACE_S = 10.0
+"""How much longer than ``timeout_s`` a launched rank may go without
+completing a step before the launcher ends it as stuck (its own waits end
+within ``timeout_s``: past that it is stopped, or it hangs outside them)."""
+SETUP_S = 120.0
+"""How long a launched rank may take to reach its first step: joining the
+world, making the groups, loading (the first time, compiling) the kernels."""
 
 
 def run_local(
@@ -29,6 +40,8 @@ def run_local(
     progress_s: float | None = None,
     dump_dir: Path | None = None,
     emulate: str | None = None,
+    keep_partial: bool = False,
+    stacks: bool = False,
 ) -> RunReport:
     """Spawn ``world_size`` (default ``config.pp_size``) gloo ranks on
     127.0.0.1, each running the rank code of ``ppsync run``
@@ -36,19 +49,49 @@ def run_local(
     through the synchronous token path (``backend`` None) or the anyio services
     on ``backend``, and report. ``dump_dir``: the ranks dump their flight
     records there (ppsync.core.dumps). ``emulate``: "nccl" makes the token
-    groups behave as NCCL's (ppsync.core.completion.twin)."""
+    groups behave as NCCL's (ppsync.core.completion.twin).
+
+    No bound is put on the whole run: a rank that completes no step for
+    ``config.timeout_s`` + :data:`STALL_GRACE_S` is ended as stuck (and
+    ``stacks``: prints its threads' stacks first). A run that fails, is
+    stopped or is ended raises (:class:`RankFailed`, :class:`Stopped`,
+    :class:`SyncTimeout`); with ``keep_partial`` it returns instead a report
+    of what every rank had checked by then, ``ended`` saying why."""
     opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}), progress_s,
                       emulate=emulate)
     target = functools.partial(run_rank, config, opts)
     world = config.pp_size if world_size is None else world_size
-    pipeline_layout(world, config.pp_size)  # a bad ratio fails here, before any process
-    # the whole run gets the collective timeout plus the time the steps take
-    budget = config.timeout_s + steps * (0.01 + jitter_us / 1e6) * world
+    layout = pipeline_layout(world, config.pp_size)  # a bad ratio fails here, before any process
     env = {} if dump_dir is None else {DUMP_DIR_ENV: str(dump_dir)}
-    # once a rank failed, the others fail on their own timeout (naming the lost
-    # rank) or are ended soon after: the budget is a last resort
-    return spawn_world(target, world, timeout_s=budget, env=env,
-                       failed_grace_s=config.timeout_s + 5.0)[0]
+    board = StepBoard(world)
+    stall_s = config.timeout_s + STALL_GRACE_S
+    try:
+        # once a rank failed, the others fail on their own timeout (naming the lost
+        # rank) or are ended soon after
+        return spawn_world(target, world, timeout_s=config.timeout_s + SETUP_S, env=env,
+                             failed_grace_s=config.timeout_s + 5.0, board=board,
+                             stall_s=stall_s, setup_s=SETUP_S + stall_s, stacks=stacks)[0]
+    except (RankFailed, SyncTimeout, Stopped) as e:
+        if not keep_partial:
+            raise
+        return partial_report(config, opts, layout, board, f"{type(e).__name__}: {e}")
+
+
+def partial_report(config: SyncConfig, opts: RunOptions, layout: list[list[int]],
+                   board: StepBoard, ended: str) -> RunReport:
+    """The report of a run ended early: every rank's last values on the
+    board (what it had checked), ``ended`` saying why."""
+    ranks = []
+    for index, group in enumerate(layout):
+        for i, rank in enumerate(group):
+            ranks.append(RankReport.model_validate({
+                "rank": i, "global_rank": rank, "pp_group": index,
+                "role": "last" if i == len(group) - 1 else "receiver", **board.row(rank)}))
+    ranks.sort(key=lambda r: r.global_rank or 0)
+    return RunReport(config=config, steps=opts.steps, seed=opts.seed,
+                     mode="sync" if opts.backend is None else "async",
+                     world_size=board.world_size, ranks=ranks, backend=opts.backend,
+                     emulate=opts.emulate, ended=ended)
 
 
 def format_table(report: RunReport) -> str:
@@ -58,7 +101,8 @@ def format_table(report: RunReport) -> str:
     receiver columns (expected, excluded, delivered) read against it: in a
     clean run every receiver has delivered = expected and
     sent = delivered + excluded. A column that does not apply to a rank's
-    role shows ``-``."""
+    role shows ``-``; so do the times and memory of a run ended early (its
+    ranks' counts come from the step board)."""
     head = (f"{'rank':>4} {'group':>5} {'role':<8} {'steps':>6} {'transfers':>9} {'sent':>7} "
             f"{'expected':>8} {'excluded':>8} {'delivered':>9} {'lost':>5} {'stale':>5} "
             f"{'dup':>4} {'corrupt':>7} {'p50_us':>8} {'p99_us':>8} {'rss_mb':>13}")
@@ -70,11 +114,14 @@ def format_table(report: RunReport) -> str:
         expected, excluded, delivered = (
             ("-", "-", "-") if last else (r.rows_expected, r.excluded, r.rows_delivered)
         )
+        # a run ended early knows each rank's counts, not its times nor memory
+        times = (f"{'-':>8} {'-':>8} {'-':>13}" if report.ended is not None else
+                 f"{r.sync_us_p50:>8.1f} {r.sync_us_p99:>8.1f} "
+                 f"{r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}")
         lines.append(
             f"{rank:>4} {r.pp_group:>5} {r.role:<8} {r.steps:>6} {r.transfers:>9} "
             f"{sent:>7} {expected:>8} {excluded:>8} {delivered:>9} {r.lost:>5} "
-            f"{r.stale:>5} {r.duplicated:>4} {r.corrupt:>7} {r.sync_us_p50:>8.1f} "
-            f"{r.sync_us_p99:>8.1f} {r.rss_start_mb:>6.0f}->{r.rss_end_mb:<6.0f}"
+            f"{r.stale:>5} {r.duplicated:>4} {r.corrupt:>7} {times}"
         )
     twin = [r for r in report.ranks if r.engine_waits_unconsumed is not None]
     if twin:
@@ -83,13 +130,38 @@ def format_table(report: RunReport) -> str:
         lines += [f"  rank {r.global_rank if r.global_rank is not None else r.rank}: "
                   f"{r.engine_waits_unconsumed} unconsumed, {r.engine_waits_consumed} at consume"
                   for r in twin]
+    lines.append(verdict_line(report))
+    return "\n".join(lines)
+
+
+def _kernels(names: list[str | None]) -> str:
+    """The kernel sets the ranks resolved: one name, or each, or "-" (none)."""
+    seen = sorted({n for n in names if n is not None})
+    return "/".join(seen) or "-"
+
+
+def verdict_line(report: RunReport) -> str:
+    """The last line of the table: everything the run used (the kernel sets as
+    the ranks resolved them), then the verdict."""
     c = report.config
     world = c.pp_size if report.world_size is None else report.world_size
-    verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt" if report.ok else "FAULTS"
-    lines.append(
-        f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
-        f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec} "
-        f"host_kernels={c.host_kernels} device_kernels={c.device_kernels} "
-        f"mode={report.mode} -> {verdict}"
-    )
-    return "\n".join(lines)
+    if report.ended is not None:
+        verdict = f"INCOMPLETE: ended before its last step ({report.ended.splitlines()[0]})"
+        if any(r.faults for r in report.ranks):
+            verdict = "FAULTS, " + verdict
+    elif report.ok:
+        verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"
+    else:
+        verdict = "FAULTS"
+    host = _kernels([r.host_kernels for r in report.ranks])
+    kernels = (f"host_kernels={host if host != '-' else c.host_kernels}" if c.codec == "host"
+               else f"device_kernels={_kernels([r.device_kernels for r in report.ranks])} "
+               f"host_kernels={host}")
+    if report.ended is not None:  # the ranks could not say what they resolved
+        kernels = f"host_kernels={c.host_kernels}" + (
+            f" device_kernels={c.device_kernels}" if c.codec == "device" else "")
+    emulate = f" emulate={report.emulate}" if report.emulate else ""
+    mode = report.backend or report.mode
+    return (f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
+            f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec} {kernels}"
+            f"{emulate} mode={mode} -> {verdict}")

@@ -210,6 +210,7 @@ class BenchReport(BaseModel):
     """Lockstep on span medians, pipelined on step and blocked medians."""
     targets: list[Target]
     reference_config: bool
-    """True when run at the targets' configuration (P=2, 256 rows, C=400 µs)."""
+    """True when run at the targets' configuration (P=2, 256 rows, K=0 or 3,
+    C=400 µs, no hidden): only then are the targets printed."""
     wall_s: float
     """Wall time of the whole bench."""

@@ -26,6 +26,8 @@ WireMode = Literal["fixed", "exact"]
 CodecName = Literal["host", "device"]
 HostKernelsName = Literal["auto", "numba", "numpy"]
 DeviceKernelsName = Literal["auto", "triton", "torch"]
+EmulatedName = Literal["nccl", "xccl"]
+"""The backends whose completion semantics the CPU twin emulates (``--emulate``)."""
 
 DEFAULT_TIMEOUT_S = 60.0
 """The bound on every wait when none is given: SyncConfig's, the handler's

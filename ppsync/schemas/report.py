@@ -64,6 +64,11 @@ class RankReport(BaseModel):
     engine_waits_consumed: int | None = Field(default=None, ge=0)
     """CPU twin only: the engine's stream's waits on received frames at their
     consume (the expected ones)."""
+    host_kernels: str | None = None
+    """The host kernel set this rank resolved ("numba", "numpy"; None: not known)."""
+    device_kernels: str | None = None
+    """The device kernel set this rank resolved ("triton", "torch"; None: the
+    host codec, or not known)."""
 
     @property
     def faults(self) -> int:
@@ -90,9 +95,19 @@ class RunReport(BaseModel):
     """Ranks in the world: pp_size times the number of PP groups (None: pp_size)."""
     ranks: list[RankReport]
     """One entry per world rank, in world rank order."""
+    backend: Literal["asyncio", "trio"] | None = None
+    """The async framework of mode "async" (None: the synchronous core)."""
+    emulate: str | None = None
+    """The backend whose completion semantics the token groups emulated
+    (``--emulate``, the CPU twin; None: their own)."""
+    ended: str | None = None
+    """Why the run ended before its last step (a rank failed, made no
+    progress, the launcher was stopped); None: it ran to its end. The
+    ranks' figures are then what was checked up to that moment."""
 
     @property
     def ok(self) -> bool:
-        """True when no rank lost, duplicated, corrupted or kept a stale row
-        (and, on the CPU twin, no engine stream waited on an unconsumed transfer)."""
-        return all(r.faults == 0 for r in self.ranks)
+        """True when the run ran to its end and no rank lost, duplicated,
+        corrupted or kept a stale row (and, on the CPU twin, no engine stream
+        waited on an unconsumed transfer)."""
+        return self.ended is None and all(r.faults == 0 for r in self.ranks)

@@ -25,8 +25,8 @@ from anyio.abc import TaskStatus
 
 from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target
-from ppsync.core.path_base import role_error, takes_args_of
 from ppsync.core.released import ReleasedStep
+from ppsync.core.steps import role_error, takes_args_of
 from ppsync.core.token_path import TokenPath
 from ppsync.schemas.records import StepRecord
 from ppsync.services.completion import await_path_work

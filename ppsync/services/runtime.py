@@ -38,11 +38,10 @@ import torch.distributed as dist
 from ppsync.core.batch import BatchView
 from ppsync.core.dumps import dumps_pending
 from ppsync.core.liveness import FailureBoard
-from ppsync.core.path_base import takes_args_of
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import CallNames
+from ppsync.core.steps import CallNames, takes_args_of
 from ppsync.core.token_path import TokenPath
-from ppsync.errors import PeerLost, PPSyncError
+from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.completion import await_work
 from ppsync.services.endpoints import BroadcastService, ReceiveService
@@ -140,9 +139,12 @@ async def open_rank(
         # the peers may take seconds to arrive: await the handshake, never block on it
         work = path.handshake_work()
         assert work is not None  # wait_handshake=False: finish_handshake is due
-        await await_work(work, timeout_s=config.timeout_s,
-                         what=f"rank {path.rank}: configuration handshake", peer=None,
-                         completion=path.completion)
+        try:
+            await await_work(work, timeout_s=config.timeout_s,
+                             what=f"rank {path.rank}: configuration handshake", peer=None,
+                             completion=path.completion)
+        except SyncTimeout as e:
+            raise path.handshake_error(e) from None
         path.finish_handshake()
     except BaseException:
         path.close(drain=False)

@@ -80,6 +80,12 @@ def test_cli_bench_prints_tables_and_writes_json(
     assert data["options"]["pp_size"] == 2 and data["options"]["rows"] == 8
     report = BenchReport.model_validate(data)
     _check_report(report, ["dedicated"])
+    # set for P=2, 256 rows: not printed for 8 rows; for theirs, said to be goals
+    assert not report.reference_config and "targets: not printed" in text
+    assert "MISSED" not in text and " met\n" not in text
+    at_reference = format_tables(report.model_copy(update={"reference_config": True}))
+    assert "goals set for P=2, 256 rows" in at_reference and "never checked" in at_reference
+    assert all(t.name in at_reference for t in report.targets)
 
 
 def test_bench_three_ranks_with_drafts() -> None:
@@ -107,9 +113,14 @@ def test_cli_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert exc.value.code == 2
     assert "ROWSxHIDDEN" in capsys.readouterr().err
     assert main(["bench", "--rows", "8", "--max-num-reqs", "4"]) == 2
-    assert "max_num_reqs = 4 must be >= rows = 8" in capsys.readouterr().err
+    assert "ppsync: --max-num-reqs = 4 must be >= --rows = 8" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="pp_size"):
         BenchOptions.build(pp_size=1)
+    with pytest.raises(SystemExit) as exc:  # bounded at parsing, from BenchOptions.pp_size
+        main(["bench", "--pp-size", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ppsync bench: error: argument --pp-size: 1 must be in [2, 64]"], err
 
 
 def test_overdue_within_counts_only_lateness_inside_windows() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ppsync.bench.codec_cpu import in_fresh_process
 from ppsync.bench.dispatches import SCHEMES, call_targets, count_all, main
+from ppsync.bench.fresh import in_fresh_process
 from ppsync.core.device_kernels import triton_error
 
 TRITON = triton_error()

@@ -1,12 +1,17 @@
 """``make gpu-check`` on a machine without CUDA: it says so and exits 2; and
 a dry run of each check's rank code on CPU over gloo, so the script that a
-GPU session runs once has had its logic exercised here."""
+GPU session runs once has had its logic exercised here. The table itself
+(bounded fresh processes, rows flushed as they end, the run's budget):
+tests/bench/test_gpu_table.py."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,14 +20,16 @@ import torch
 
 from ppsync.bench import gpu_check
 from ppsync.bench import gpu_stream_checks as stream_checks
-from ppsync.bench.codec_cpu import in_fresh_process
-from ppsync.bench.gpu_steps import format_timing, time_schemes
+from ppsync.bench import gpu_workload_checks as workload
+from ppsync.bench.fresh import in_fresh_process
+from ppsync.bench.gpu_steps import format_timing, sync_guard_live, time_schemes, timing_verdict
 from ppsync.core.device_kernels import triton_error
 from ppsync.errors import RankFailed
 from ppsync.harness.launcher import spawn_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU dry run; on a GPU run make gpu-check")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_without_cuda_it_exits_2_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,12 +37,35 @@ def test_without_cuda_it_exits_2_and_says_why(capsys: pytest.CaptureFixture[str]
     assert "gpu-check: not run: no CUDA device" in capsys.readouterr().err
 
 
+def _python(*args: str) -> subprocess.CompletedProcess[str]:
+    """This Python, run plainly (as a CUDA image's would be) from the repository."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_run_as_a_module_it_exits_2_without_a_traceback() -> None:
+    done = _python("-m", "ppsync.bench.gpu_check")
+    assert done.returncode == 2, done.stderr
+    assert "gpu-check: not run: no CUDA device" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_without_pydantic_import_says_what_to_install() -> None:
+    hidden = "import sys; sys.modules['pydantic'] = None; "  # import pydantic fails then
+    done = _python("-c", hidden + "import ppsync.bench.gpu_check")
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: ppsync needs pydantic"), last
+    assert "make gpu-wheels" in last and "--find-links wheels/gpu" in last
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_dry_run_workload_is_exact_on_two_ranks(kernels: str) -> None:
     if kernels == "triton" and triton_error() is not None:
         pytest.skip(f"Triton cannot be loaded ({triton_error()}): install ppsync[triton]")
-    res = spawn_ranks(functools.partial(gpu_check._workload_rank, 60, "gloo", "warn", kernels),
-                      2, timeout_s=gpu_check.TIMEOUT_S)
+    res = spawn_ranks(functools.partial(workload.workload_rank, 60, "gloo", "warn", kernels),
+                      2, timeout_s=workload.TIMEOUT_S)
     assert [r["exact"] for r in res] == [True, True]
     assert res[0]["report"]["rows_delivered"] > 0
 
@@ -48,33 +78,68 @@ def test_dry_run_per_step_timing_names_every_scheme() -> None:
         assert set(roles) == {"last rank", "receiver"}
         assert all(host > 0 and dev == 0 for host, dev in roles.values())
     assert "ppsync device/torch: last rank" in format_timing(timing)
+    assert timing_verdict(timing, cuda=False)[0]
+    assert not timing_verdict(timing, cuda=True)[0]  # no device time: events recorded nothing
+
+
+def test_timing_verdict_fails_on_a_missing_role_or_scheme() -> None:
+    good = {"vllm gpu": {"last rank": (5.0, 1.0), "receiver": (5.0, 1.0)},
+            "ppsync device/torch": {"last rank": (3.0, 1.0), "receiver": (3.0, 1.0)}}
+    assert timing_verdict(good, cuda=True) == (True, format_timing(good))
+    assert not timing_verdict({"vllm gpu": good["vllm gpu"]}, cuda=True)[0]
+    one_role = {**good, "ppsync device/torch": {"last rank": (3.0, 1.0)}}
+    assert not timing_verdict(one_role, cuda=True)[0]
+    assert sync_guard_live(torch.device("cpu"))  # nothing to catch on CPU
 
 
 def test_dry_run_one_rank_group_defers_the_bad_value() -> None:
-    (res,) = spawn_ranks(functools.partial(gpu_check._one_rank_nccl, "gloo"), 1,
-                         timeout_s=gpu_check.TIMEOUT_S)
+    (res,) = spawn_ranks(functools.partial(workload.one_rank_rank, "gloo"), 1,
+                         timeout_s=workload.TIMEOUT_S)
     assert res == {"ok": True, "detail": ""}
 
 
 def test_dry_run_timing_and_late_peer() -> None:
-    timed = spawn_ranks(functools.partial(gpu_check._timed_rank, 5, "gloo"), 2,
-                        timeout_s=gpu_check.TIMEOUT_S)
+    timed = spawn_ranks(functools.partial(workload.timed_rank, 5, "gloo"), 2,
+                        timeout_s=workload.TIMEOUT_S)
     assert all(set(t) == {"fused frame", "raw broadcast", "vLLM's scheme"} for t in timed)
-    late = spawn_ranks(functools.partial(gpu_check._late_peer_rank, "gloo", 0.3), 2,
-                       timeout_s=gpu_check.TIMEOUT_S)
+    late = spawn_ranks(functools.partial(workload.late_peer_rank, "gloo", 0.3), 2,
+                       timeout_s=workload.TIMEOUT_S)
     assert late[0]["delivered"] is True
+    assert 0 < late[0]["main_s"] <= late[0]["frame_s"]  # both from before post()
+
+
+def test_late_peer_verdict_fails_when_held_undelivered_or_not_late() -> None:
+    verdict = functools.partial(workload.late_peer_verdict, "sync", late_s=3.0)
+    assert verdict({"main_s": 0.2, "frame_s": 3.1, "delivered": True})[0]
+    assert not verdict({"main_s": 3.05, "frame_s": 3.1, "delivered": True})[0]  # held
+    assert not verdict({"main_s": 0.2, "frame_s": 3.1, "delivered": False})[0]
+    ok, detail = verdict({"main_s": 0.2, "frame_s": 0.3, "delivered": True})
+    assert not ok and "premise false" in detail  # nothing was pending: it showed nothing
 
 
 def test_dry_run_premise_reports_future_and_work() -> None:
     (res,) = spawn_ranks(functools.partial(stream_checks.premise_rank, "gloo"), 1,
-                         timeout_s=gpu_check.TIMEOUT_S)
+                         timeout_s=workload.TIMEOUT_S)
     assert set(res) == {"future_done", "is_completed", "is_completed_after_sync"}
     assert res["is_completed_after_sync"] is True
+    # gloo: the transfer ended with the call, so the premise is false there
+    assert stream_checks.premise_verdict(res)[0] is (res["future_done"]
+                                                    and not res["is_completed"])
+
+
+def test_premise_verdict_asserts_the_premise() -> None:
+    verdict = stream_checks.premise_verdict
+    holds = {"future_done": True, "is_completed": False, "is_completed_after_sync": True}
+    assert verdict(holds)[0] and "premise holds" in verdict(holds)[1]
+    for key, value in (("future_done", False), ("is_completed", True),
+                       ("is_completed_after_sync", False)):
+        assert not verdict({**holds, key: value})[0], key
+    assert "premise FALSE" in verdict({**holds, "is_completed": True})[1]
 
 
 def test_dry_run_overwrite_after_publish_delivers_the_originals() -> None:
     res = spawn_ranks(functools.partial(stream_checks.overwrite_rank, "gloo", 12), 2,
-                      timeout_s=gpu_check.TIMEOUT_S)
+                      timeout_s=workload.TIMEOUT_S)
     assert res == [{"wrong_steps": []}, {"wrong_steps": []}]
 
 
@@ -83,7 +148,7 @@ def test_dry_run_row_counts_drive_every_step() -> None:
     assert counts == [{}, {}, {}, {}]  # torch ops compile nothing; each n ran a step
 
 
-def test_compiled_variants_reads_either_cache_layout() -> None:
+def test_compiled_variants_reads_either_cache_layout_or_says_it_cannot() -> None:
     class NewTriton:  # Triton 3.2+: device -> (kernel cache, [key cache,] target, backend, ...)
         device_caches: ClassVar[dict[int, tuple[object, ...]]] = {
             0: ({"a": 1, "b": 2}, {}, None, None, None), 1: ({"c": 3}, None, None, None)}
@@ -91,8 +156,22 @@ def test_compiled_variants_reads_either_cache_layout() -> None:
     class OldTriton:  # before: device -> kernel cache
         cache: ClassVar[dict[int, dict[str, int]]] = {0: {"a": 1}}
 
+    class OtherTriton:  # a layout this code does not know
+        device_caches: ClassVar[dict[int, object]] = {0: object()}
+
     assert stream_checks.compiled_variants(NewTriton()) == 3
     assert stream_checks.compiled_variants(OldTriton()) == 1
+    assert stream_checks.compiled_variants(OtherTriton()) is None
+    assert stream_checks.compiled_variants(object()) is None
+
+
+def test_variants_verdict_passes_flat_fails_growth_skips_unknown() -> None:
+    verdict = functools.partial(stream_checks.variants_verdict, version="3.6.0")
+    assert verdict([{"pack_frame": 2, "check_release": 1}] * 3)[0]
+    assert not verdict([{"pack_frame": 2}, {"pack_frame": 3}])[0]
+    assert not verdict([{"pack_frame": 0}, {"pack_frame": 0}])[0]  # nothing compiled: no check
+    with pytest.raises(stream_checks.CheckSkipped, match=r"Triton 3\.6\.0: cannot count"):
+        verdict([{"pack_frame": None}, {"pack_frame": None}])
 
 
 def test_dry_run_kill_of_the_last_rank_is_named_by_every_survivor(tmp_path: Path) -> None:
@@ -109,5 +188,6 @@ def test_dry_run_kill_of_the_last_rank_is_named_by_every_survivor(tmp_path: Path
 
 def test_dry_run_late_peer_through_the_async_services() -> None:
     res = spawn_ranks(functools.partial(stream_checks.late_peer_async_rank, "gloo", 0.3), 2,
-                      timeout_s=gpu_check.TIMEOUT_S)
+                      timeout_s=workload.TIMEOUT_S)
     assert res[0]["delivered"] is True and res[1] == {}
+    assert 0 < res[0]["main_s"] <= res[0]["frame_s"]

@@ -95,7 +95,7 @@ def test_an_earlier_runs_dumps_are_ignored_and_named(
     _run("clean", tmp_path)  # every rank dumps at exit
     dumps = _run("kill", tmp_path)  # rank 1 killed: its dump is the clean run's
     capsys.readouterr()
-    assert main(["dump", "show", "--json", str(dumps)]) == 0
+    assert main(["dump", "show", "--json", str(dumps)]) == 1  # FAILED
     out, err = capsys.readouterr()
     report: dict[str, Any] = json.loads(out)["groups"][0]
     assert report["verdict"] == "lost" and report["culprit_rank"] == 1, report
@@ -184,7 +184,9 @@ def test_readers_never_trace_back(good: Path, tmp_path: Path,
         assert all(line.startswith(f"{f}:") for line in err.strip().splitlines()), (name, err)
         for command in (["show", "--json"], ["trace", "-o", str(tmp_path / "t.json")]):
             capsys.readouterr()
-            assert main(["dump", *command, str(good), str(f)]) == 0, (name, command)
+            # the good dump alone is one rank of three: show reads INCOMPLETE (3)
+            expected = 3 if command[0] == "show" else 0
+            assert main(["dump", *command, str(good), str(f)]) == expected, (name, command)
             err = capsys.readouterr().err
             assert f"ppsync: skipping {f}:" in err, (name, err)
             assert "Traceback" not in err

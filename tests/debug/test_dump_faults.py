@@ -37,6 +37,7 @@ from ppsync.core.batch import BatchView
 from ppsync.core.groups import token_group
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.token_path import TokenPath
+from ppsync.debug.cli import SHOW_EXIT
 from ppsync.debug.load import validate_file, validators
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -181,8 +182,9 @@ def _run(case: Case, tmp_path: Path, backend: str | None = None) -> Path:
 
 def _show(files: list[Path], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     capsys.readouterr()
-    assert main(["dump", "show", "--json", *map(str, files)]) == 0
+    code = main(["dump", "show", "--json", *map(str, files)])
     world: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert code == SHOW_EXIT[world["verdict"]], (code, world["verdict"])
     assert len(world["groups"]) == 1, world  # one PP group: the world's report holds it
     report: dict[str, Any] = world["groups"][0]
     return report

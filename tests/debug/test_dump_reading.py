@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ppsync.cli import main
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
+from ppsync.debug.cli import SHOW_EXIT
 from ppsync.debug.load import MAX_DUMP_BYTES
 from ppsync.errors import PeerLost
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -54,8 +55,9 @@ def broken_lines(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _show(files: list[Path], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     capsys.readouterr()
-    assert main(["dump", "show", "--json", *map(str, files)]) == 0
+    code = main(["dump", "show", "--json", *map(str, files)])
     report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert code == SHOW_EXIT[report["verdict"]], (code, report["verdict"])
     return report
 
 
@@ -108,7 +110,7 @@ def test_readers_refuse_what_is_not_a_regular_file_of_a_dumps_size(
     # like a dump too) named and skipped
     (tmp_path / "ppsync-rank0.jsonl").write_bytes(broken_lines.read_bytes())
     capsys.readouterr()
-    assert main(["dump", "show", str(tmp_path)]) == 0
+    assert main(["dump", "show", str(tmp_path)]) in SHOW_EXIT.values()  # a verdict, read
     err = capsys.readouterr().err
     for name, f in files.items():
         assert f"ppsync: skipping {f}: " in err and why[name] in err, (name, err)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import ppsync.cli
+import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.schemas.export import DIALECT, MODELS, export
@@ -123,7 +123,7 @@ def test_a_failed_launch_points_at_the_dumps(
         (tmp_path / "ppsync-rank0.jsonl").write_text("")
         raise RankFailed("1 of 2 ranks failed; rank 1 died", {1: "died"})
 
-    monkeypatch.setattr(ppsync.cli, "run_local", fail)
+    monkeypatch.setattr(ppsync.cli.commands, "run_local", fail)
     assert main(["launch", "--pp-size", "2", "--steps", "5", "--dump-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-2] == f"ppsync: flight records: {tmp_path}/ppsync-rank0.jsonl", err

@@ -100,13 +100,13 @@ def test_a_tp_x_pp_run_with_a_killed_rank_never_reads_ok(
     assert lines[-2] == f"ppsync: flight records: {' '.join(written)}", lines[-2:]
 
     capsys.readouterr()
-    assert main(["dump", "show", str(dumps)]) == 0
+    assert main(["dump", "show", str(dumps)]) == 1  # FAILED: a script can act on it
     text = capsys.readouterr().out
     assert "OK" not in text, text
     assert f"world verdict: FAILED: rank {VICTIM} lost at seq " in text, text
     assert "group [0, 2]" in text and "group [1, 3]" in text, text
 
-    assert main(["dump", "show", "--json", str(dumps)]) == 0
+    assert main(["dump", "show", "--json", str(dumps)]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "failed" and report["culprit_rank"] == VICTIM, report
     assert report["world_size"] == 4 and report["world_id"] != 0, report
@@ -137,7 +137,7 @@ def test_a_clean_tp_x_pp_run_shows_every_group(
     assert [g["verdict"] for g in report["groups"]] == ["ok", "ok"], report
     assert report["verdict"] == "ok" and report["summary"].startswith("OK: 4 ranks in 2 groups")
     # one rank's dump alone: the world is not known to be clean
-    assert main(["dump", "show", "--json", str(tmp_path / "ppsync-rank0.jsonl")]) == 0
+    assert main(["dump", "show", "--json", str(tmp_path / "ppsync-rank0.jsonl")]) == 3
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "incomplete", report
     assert report["not_at_hand"] == [1, 3] and report["groups"][0]["missing"] == [2], report

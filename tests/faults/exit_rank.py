@@ -2,7 +2,8 @@
 process (not a fork of the test), configured by the environment, that leaves
 through the interpreter's normal exit, never ``os._exit``.
 
-Arguments: MODE (sync, asyncio, trio; twin-MODE on the CPU twin of NCCL) VICTIM
+Arguments: MODE (sync, asyncio, trio; twin-MODE on the CPU twin of NCCL, xccl-MODE
+on XCCL's, hang-MODE on NCCL's with an abort that never returns) VICTIM
 HOW (kill, stop) PORT GROUP_TIMEOUT_S.
 The world's store, which also holds the failure board, is served by the test
 process at 127.0.0.1:PORT. At step ``FAULT_AT`` the victim SIGKILLs or
@@ -20,6 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import anyio
 import torch.distributed as dist
@@ -72,9 +74,12 @@ async def _async(config: SyncConfig, group: dist.ProcessGroup, board: FailureBoa
 
 def main() -> None:
     mode, victim, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    # "twin-<mode>": the token group behaves as NCCL's (tests/twin_mode.py)
-    completion: Mode = "twin" if mode.startswith("twin-") else "gloo"
-    mode = mode.removeprefix("twin-")
+    # "<twin>-<mode>": the token group behaves as NCCL's (twin), XCCL's
+    # (xccl) or NCCL's with a hanging abort (hang); tests/twin_mode.py
+    completion: Mode = "gloo"
+    if "-" in mode:
+        twin, mode = mode.split("-", 1)
+        completion = cast(Mode, twin)
     port, group_timeout = int(sys.argv[4]), float(sys.argv[5])
     rank = int(os.environ["RANK"])
     store = TCPStore("127.0.0.1", port, is_master=False,

@@ -26,9 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from torch._C._distributed_c10d import TCPStore
 
+from ppsync.core.torch_support import torch_release
+
 SCRIPT = Path(__file__).with_name("exit_rank.py")
+GLOO_ABORTS_AT_EXIT = torch_release(str(torch.__version__)) < (2, 13)
+"""torch 2.11's gloo may end a survivor at its exit ("terminate called ...",
+rc -6) when a peer closes a connection of a token group kept alive with work
+in flight; its error was raised and named first. torch 2.13's gloo does not
+(seen in ``make torch-range-test``: 1 to 3 of the 12 cases per run on 2.11)."""
 PP_SIZE = 3
 TIMEOUT_S = 5.0  # exit_rank.TIMEOUT_S
 BUDGET_S = 60.0  # the whole case; far above what a clean exit needs
@@ -89,6 +97,12 @@ CASES = [
     pytest.param("twin-sync", 1, "kill", 30.0, id="twin-sync-kill1"),
     pytest.param("twin-sync", 1, "stop", 30.0, id="twin-sync-stop1"),
     pytest.param("twin-asyncio", 1, "stop", 30.0, id="twin-asyncio-stop1"),
+    # XCCL's (no abort: the pending receives stay pending), and NCCL's with an
+    # abort that never returns: survivors still raise at once and exit
+    pytest.param("xccl-sync", 1, "kill", 30.0, id="xccl-sync-kill1"),
+    pytest.param("xccl-asyncio", 1, "stop", 30.0, id="xccl-asyncio-stop1"),
+    pytest.param("hang-sync", 1, "stop", 30.0, id="hang-sync-stop1"),
+    pytest.param("hang-trio", 1, "kill", 30.0, id="hang-trio-kill1"),
 ]
 
 
@@ -101,9 +115,12 @@ def test_survivors_exit_cleanly_and_promptly(
     assert fault_at > 0, exits[victim]
     survivors = [e for e in exits if e.rank != victim]
     for e in survivors:
-        assert "terminate called" not in e.stderr, e.stderr[-2000:]
         assert "Fatal Python error" not in e.stderr, e.stderr[-2000:]
-        assert e.returncode == 0, (e.rank, e.returncode, e.stderr[-2000:])
+        if GLOO_ABORTS_AT_EXIT and e.returncode == -signal.SIGABRT:
+            assert "terminate called" in e.stderr, e.stderr[-2000:]
+        else:
+            assert "terminate called" not in e.stderr, e.stderr[-2000:]
+            assert e.returncode == 0, (e.rank, e.returncode, e.stderr[-2000:])
         elapsed = e.exited_at - fault_at
         caught = float(str(next(x["at"] for x in e.lines if "error" in x))) - fault_at
         print(f"{mode} {how} {victim}: rank {e.rank} raised {caught:.2f} s and exited "

@@ -161,6 +161,11 @@ CASES = [
     pytest.param("sync", 1, "twin", id="twin-sync-kill1"),
     pytest.param("asyncio", 1, "twin", id="twin-asyncio-kill1"),
     pytest.param("trio", 2, "twin", id="twin-trio-kill2"),
+    # XCCL's semantics (no abort), and NCCL's with an abort that never returns
+    pytest.param("sync", 1, "xccl", id="xccl-sync-kill1"),
+    pytest.param("trio", 2, "xccl", id="xccl-trio-kill2"),
+    pytest.param("asyncio", 1, "hang", id="hang-asyncio-kill1"),
+    pytest.param("sync", 2, "hang", id="hang-sync-kill2"),
 ]
 
 # Observed seconds from the kill to each survivor's error, for the report
@@ -192,13 +197,19 @@ def test_survivors_name_the_killed_rank(mode: Mode, victim: int, completion: Com
         assert re.search(rf"^lost peer rank\(s\) {victim} \(global\)", o.message), o.message
         elapsed = o.at - killed.at
         print(f"{mode} kill {victim}: rank {o.rank} PeerLost {elapsed:.2f} s after the kill")
-        # the twin's bound is the one stream-ordered groups promise
-        assert 0 <= elapsed <= TIMEOUT_S + (1 if completion == "twin" else 5), (elapsed, o)
+        # the twins' bound is the one stream-ordered groups promise
+        assert 0 <= elapsed <= TIMEOUT_S + (5 if completion == "gloo" else 1), (elapsed, o)
     # no rank process is left, and the parent holds no child
     for o in outcomes.values():
         assert not pid_alive(o.pid), o
     assert multiprocessing.active_children() == []
     # ppsync left no Python thread behind (gloo's own threads are not Python's)
+    # but, where the backend's abort never returns, the daemon thread blocked
+    # in it (the engine's thread never joins it: the process exits regardless)
     for o in survivors:
-        if o.threads_after != o.threads_before:
+        after = [t for t in o.threads_after
+                 if not (completion == "hang" and t.startswith("ppsync-abort:"))]
+        if completion == "hang":
+            assert len(after) == len(o.threads_after) - 1, o.threads_after
+        if after != o.threads_before:
             raise ThreadsLeftBehind(f"rank {o.rank}: {o.threads_before} -> {o.threads_after}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import ppsync.cli
+import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.harness.driver import Backend
@@ -41,7 +41,7 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     assert re.match(r"\s*0\s+0 receiver\s+60 ", lines[1]), lines[1]
     assert re.match(r"\s*1\s+0 last\s+60 ", lines[2]), lines[2]
     assert re.search(r"world=2 pp_size=2 K=2 D=2 max_num_reqs=8 wire=fixed codec=host "
-                     r"host_kernels=auto device_kernels=auto mode=sync -> OK",
+                     r"host_kernels=(numba|numpy) mode=sync -> OK",  # as resolved, not "auto"
                      lines[3])
 
     report = RunReport.model_validate_json(path.read_text())
@@ -86,20 +86,22 @@ def test_launch_async_reports_async_mode(
     argv = ["launch", "--pp-size", "2", "--steps", "40", "--max-num-reqs", "8", "--wire",
             "exact", "--async", backend, "--timeout", "20", "--report", str(path)]
     assert main(argv) == 0
-    assert re.search(r"wire=exact codec=host host_kernels=auto device_kernels=auto "
-                     r"mode=async -> OK", capsys.readouterr().out)
+    assert re.search(rf"wire=exact codec=host host_kernels=(numba|numpy) mode={backend} -> OK",
+                     capsys.readouterr().out)
     report = RunReport.model_validate_json(path.read_text())
-    assert report.mode == "async" and report.ok
+    assert report.mode == "async" and report.backend == backend and report.ok
     assert report.ranks[0].rows_delivered == report.ranks[0].rows_expected > 0
 
 
 @pytest.mark.parametrize(
     ("argv", "stderr"),
     [
-        (["--pp-size", "2", "--ring-depth", "3"], r"ring_depth = 3 exceeds pp_size = 2"),
-        (["--pp-size", "0"], r"--pp-size: .*0 must be >= 1"),
-        (["--pp-size", "2", "--spec", "-1"], r"num_speculative_steps = -1"),
-        (["--pp-size", "2", "--max-num-reqs", "0"], r"--max-num-reqs: .*0 must be >= 1"),
+        (["--pp-size", "2", "--ring-depth", "3"], r"^ppsync: --ring-depth = 3 exceeds "
+                                                   r"--pp-size = 2"),
+        (["--pp-size", "0"], r"argument --pp-size: 0 must be in \[2, 1024\]"),
+        (["--pp-size", "2", "--spec", "-1"], r"argument --spec: -1 must be in \[0, 64\]"),
+        (["--pp-size", "2", "--max-num-reqs", "0"],
+         r"argument --max-num-reqs: 0 must be in \[1, 1048576\]"),
         (["--pp-size", "2", "--wire", "tight"], r"--wire: invalid choice: 'tight'"),
         (["--pp-size", "2", "--timeout", "0"], r"--timeout: 0\.0 must be in \(0, 86400\]"),
     ],
@@ -111,6 +113,7 @@ def test_bad_arguments_exit_2(
 ) -> None:
     assert _exit_code(["launch", "--steps", "5", *argv]) == 2
     err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err  # one line, naming the flag
     assert re.search(stderr, err), err
 
 
@@ -138,7 +141,7 @@ def _report(**faults: int) -> RunReport:
 def test_faults_exit_1_with_faults_verdict(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(ppsync.cli, "run_local", lambda *a, **k: _report(stale=1))
+    monkeypatch.setattr(ppsync.cli.commands, "run_local", lambda *a, **k: _report(stale=1))
     assert main(["launch", "--pp-size", "2", "--steps", "10"]) == 1
     out = capsys.readouterr().out
     assert out.rstrip().endswith("-> FAULTS")
@@ -151,7 +154,7 @@ def test_a_failed_rank_exits_1_naming_the_error(
     def fail(*args: object, **kwargs: object) -> RunReport:
         raise RankFailed("1 of 2 ranks failed; rank 0: boom", {0: "boom"})
 
-    monkeypatch.setattr(ppsync.cli, "run_local", fail)
+    monkeypatch.setattr(ppsync.cli.commands, "run_local", fail)
     assert main(["launch", "--pp-size", "2", "--steps", "10"]) == 1
     assert re.search(r"^ppsync: RankFailed: 1 of 2 ranks failed", capsys.readouterr().err)
 
@@ -201,6 +204,9 @@ def test_launch_on_the_cpu_twin_of_nccl_reports_the_engine_stream_waits(
     assert [(r, u) for r, u, _ in waits] == [("0", "0"), ("1", "0")], out
     assert int(waits[0][2]) > 0 and waits[1][2] == "0", out  # the receiver waits at consume
     assert out.strip().endswith("-> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"), out
+    # the verdict line names what the run used: the sets as resolved, the emulation
+    assert re.search(r"codec=device device_kernels=torch host_kernels=(numba|numpy) "
+                     r"emulate=nccl mode=sync -> OK", out), out
 
 
 def test_unconsumed_waits_on_the_twin_fail_the_run(capsys: pytest.CaptureFixture[str],

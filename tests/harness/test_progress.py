@@ -12,7 +12,8 @@ from ppsync.harness.rank import Progress
 from ppsync.harness.run import run_local
 from ppsync.schemas.config import SyncConfig
 
-LINE = re.compile(r"ppsync: step (\d+)/(\d+)(?:\+(\d+) drain)?  (\d+) steps/s  ETA (\d+) s")
+LINE = re.compile(r"ppsync: step (\d+)/(\d+)(?: \((\d+) \+ (\d+) drain\))?  (\d+) steps/s  "
+                  r"ETA (\d+) s")
 
 
 def test_line_says_steps_asked_for_drain_rate_and_eta() -> None:
@@ -23,7 +24,7 @@ def test_line_says_steps_asked_for_drain_rate_and_eta() -> None:
     progress(249)
     m = LINE.fullmatch(out.getvalue().rstrip("\n"))
     assert m is not None, out.getvalue()
-    assert m.group(1, 2, 3) == ("250", "1000", "3")
+    assert m.group(1, 2, 3, 4) == ("250", "1003", "1000", "3")
 
 
 def test_no_drain_part_without_drain_steps() -> None:
@@ -46,8 +47,8 @@ def test_rate_reads_against_the_runs_steps_and_wall_time(
              if (m := LINE.fullmatch(line)) is not None]
     assert lines, "rank 0 printed no progress line"
     last = lines[-1]
-    done, asked, drain, rate = (int(last.group(i) or 0) for i in (1, 2, 3, 4))
-    assert (asked, drain) == (steps, config.depth)
+    done, total, asked, drain, rate = (int(last.group(i) or 0) for i in (1, 2, 3, 4, 5))
+    assert (total, asked, drain) == (steps + config.depth, steps, config.depth)
     assert done == steps + config.depth  # the last call is the drain's last step
     wall_s = next(r.wall_s for r in report.ranks if r.global_rank == 0)
     assert rate + 0.5 >= (done - 1) / wall_s, (rate, done, wall_s)

@@ -214,9 +214,13 @@ class DeviceCodec:
                                       num_drafts=self.frames.num_drafts, device=self.device)
 
     def gather_drafts(self, table: object, idx: np.ndarray) -> StepDrafts:
-        """Gathered on the device (rule 4's rows); the slots are host facts."""
+        """Gathered on the device (rule 4's rows); the slots are host facts,
+        staged in pinned memory on a device so the copy never blocks the host
+        (torch's host allocator keeps the block until the copy ran)."""
         assert isinstance(table, torch.Tensor)  # check_draft_table returned it
-        return table.index_select(0, torch.from_numpy(idx).to(table.device, non_blocking=True))
+        staged = self.platform.host_buffer(idx.shape[0])
+        staged.numpy()[:] = idx
+        return table.index_select(0, staged.to(table.device, non_blocking=True))
 
     def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:

@@ -30,7 +30,9 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from ppsync.core.completion.guard import DeadlineGuard
 from ppsync.core.platform import Platform
+from ppsync.core.teardown import bound_group_timeout
 from ppsync.core.transport import Broadcaster, ended_well, has_ended, translate, wait_work
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
@@ -90,6 +92,17 @@ class Completion(Protocol):
     def group_timeout_s(self, timeout_s: float) -> float:
         """The token group's own timeout for a path whose deadline is ``timeout_s``."""
 
+    def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
+        """``group`` serves a path whose deadline is ``timeout_s``: set the
+        group's own timeout (:meth:`group_timeout_s`); stream-ordered, bound
+        every transfer from its post (ppsync.core.completion.guard)."""
+
+    def issued(self, work: dist.Work, what: str) -> None:
+        """A frame's transfer was issued (``what``: as errors name it)."""
+
+    def close(self) -> None:
+        """The path closed: nothing of the group is guarded any more."""
+
 
 class _OwnGroup:
     """A group's own works, broadcasts and platform, as they are (the CPU
@@ -134,6 +147,15 @@ class HostCompleted(_OwnGroup):
         # an abandoned gloo work then ends no later than the path's own deadline
         return timeout_s
 
+    def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
+        bound_group_timeout(group, self.group_timeout_s(timeout_s))
+
+    def issued(self, work: dist.Work, what: str) -> None:
+        """Nothing: gloo's own timeout ends a transfer, and the process lives."""
+
+    def close(self) -> None:
+        pass
+
 
 class StreamOrdered(_OwnGroup):
     """NCCL / XCCL: a work's future completes at enqueue (see the module).
@@ -158,6 +180,28 @@ class StreamOrdered(_OwnGroup):
         """The error the group was aborted for (None: not aborted)."""
         self.aborter: threading.Thread | None = None
         """The thread that runs the backend's abort (it may block, for ever)."""
+        self.guard: DeadlineGuard | None = None
+        """Bounds each transfer from its post (set by :meth:`bind`)."""
+
+    def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
+        op_timeout_s = self.group_timeout_s(timeout_s)
+        bound_group_timeout(group, op_timeout_s)
+
+        def overdue(error: SyncTimeout) -> None:
+            error.add_note(f"ppsync bounds a transfer from its post and failed the token "
+                           f"group before the backend's watchdog (the group's timeout, "
+                           f"{op_timeout_s} s)")
+            self.abort(group, error)
+
+        self.guard = DeadlineGuard(timeout_s, overdue, platform.capture_safe)
+
+    def issued(self, work: dist.Work, what: str) -> None:
+        if self.guard is not None:
+            self.guard.track(work, what)
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.stop()
 
     def ended(self, work: dist.Work) -> bool:
         if self.cause is not None:
@@ -204,6 +248,8 @@ class StreamOrdered(_OwnGroup):
         if self.cause is not None:
             return
         self.cause = cause
+        if self.guard is not None:
+            self.guard.stop()
         self._gave_up()
         if not self.can_abort:
             cause.add_note(f"{self.backend} cannot abort a communicator: the token group keeps "

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -55,17 +55,22 @@ from ppsync.core.completion.twin_streams import (
 from ppsync.core.platform import Platform
 from ppsync.core.transport import Broadcaster, has_ended
 from ppsync.errors import ConfigError
+from ppsync.schemas.config import EmulatedName
 
 __all__ = ["EMULATED", "POISON", "STATS", "TwinCompleted", "TwinGroup", "TwinWork", "emulate",
            "twin_of"]
 
-EMULATED = ("nccl", "xccl")
+EMULATED: tuple[str, ...] = get_args(EmulatedName)  # the one list: ppsync.schemas.config
 """What ``--emulate`` accepts."""
 
 POISON = -0x5EB5EB5EB5EB5EB5
 """What an aborted receive's buffer holds on the twin (NCCL leaves it unfilled)."""
 
 _COMM_ERROR = 2  # c10d's WorkResult: SUCCESS, TIMEOUT, COMM_ERROR, UNKNOWN
+
+GLOO_AFTER_WATCHDOG_S = 30.0
+"""gloo's own timeout on a twin group comes this long after the modelled
+watchdog's: a work that overruns is the watchdog's, as on NCCL."""
 
 
 class TwinGroup:
@@ -184,6 +189,9 @@ class TwinWork(dist.Work):
         self._future = TwinFuture(self)
         twin.posted(self)
 
+    def given_up(self) -> bool:
+        return self.twin.abort_requested
+
     def real_ended(self) -> bool:
         real = self.real
         return real is not None and has_ended(real)
@@ -258,6 +266,8 @@ class TwinCompleted(StreamOrdered):
         return TwinPlatform(platform.device, self.twin.lag_s)
 
     def group_timeout_s(self, timeout_s: float) -> float:
+        # NCCL's own timeout is its watchdog's (modelled by the twin); gloo
+        # underneath must not end a work first, so its timeout is later
         op_timeout_s = super().group_timeout_s(timeout_s)
         self.twin.op_timeout_s = op_timeout_s
-        return op_timeout_s
+        return op_timeout_s + GLOO_AFTER_WATCHDOG_S

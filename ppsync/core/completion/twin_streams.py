@@ -16,14 +16,11 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ppsync.core.platform import Platform
-
-if TYPE_CHECKING:
-    from ppsync.core.completion.twin import TwinWork
 
 STOP_S = 2.0
 """Longest a token path's close waits for its stand-in stream's thread to end."""
@@ -31,6 +28,24 @@ STOP_S = 2.0
 HANG_S = 600.0
 """How long a stand-in stream waits on a transfer before it reports that it
 would hang forever (a GPU's stream would; the twin must end its tests)."""
+
+
+class TwinTransfer(Protocol):
+    """What a stand-in stream knows of a transfer it is ordered after
+    (ppsync.core.completion.twin.TwinWork)."""
+
+    frame: bool
+    """A frame's transfer (the handshake's is not)."""
+    root: bool
+    """This rank broadcasts it (else: receives it)."""
+    consumed: bool
+    """A received frame whose consume ordered a stream after it."""
+
+    def is_completed(self) -> bool: ...
+
+    def given_up(self) -> bool:
+        """The token path gave the group up: a stand-in may stop waiting."""
+        ...
 
 
 @dataclass
@@ -51,12 +66,12 @@ class TwinStats:
 STATS = TwinStats()
 
 
-def _until_ended(work: TwinWork, bound_s: float = HANG_S) -> None:
+def _until_ended(work: TwinTransfer, bound_s: float = HANG_S) -> None:
     """Block this thread until ``work`` ended (polling, releasing the CPU)."""
     deadline = time.monotonic() + bound_s
     pause = 50e-6
     while not work.is_completed():
-        if work.twin.abort_requested:
+        if work.given_up():
             # a stand-in's liberty: the path gave the group up, so the
             # thread may end (a device's stream would stay where it is)
             return
@@ -70,7 +85,7 @@ def _until_ended(work: TwinWork, bound_s: float = HANG_S) -> None:
 class TwinEvent:
     """Recorded on a stand-in stream: done once the stream reached it."""
 
-    def __init__(self, stream: TwinStream, works: list[TwinWork]) -> None:
+    def __init__(self, stream: TwinStream, works: list[TwinTransfer]) -> None:
         self.stream = stream
         self.works = works  # the frames' transfers the stream was ordered after
         self._reached = threading.Event()
@@ -95,7 +110,7 @@ class TwinStream:
         self.name = name
         self.main = main
         self.lag_s = lag_s
-        self.after: list[TwinWork] = []  # frames' transfers it is ordered after (see _order_after)
+        self.after: list[TwinTransfer] = []  # transfers it is ordered after (_order_after)
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue[tuple[float, Callable[[], None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -140,7 +155,7 @@ class TwinStream:
             self._queue.put((time.monotonic() + self.lag_s,
                              _in_mode(torch.is_inference_mode_enabled(), fn)))
 
-    def wait_work(self, work: TwinWork) -> None:
+    def wait_work(self, work: TwinTransfer) -> None:
         """The stream waits (device-side) for ``work``'s transfer."""
         if self.main:
             self._engine_waits([work])
@@ -168,13 +183,13 @@ class TwinStream:
         if other is not self:
             self.wait_event(other.record_event())
 
-    def _order_after(self, works: list[TwinWork]) -> None:
+    def _order_after(self, works: list[TwinTransfer]) -> None:
         """Inherit, from an event, the frames' transfers not ended yet: each
         reaches the next event recorded on this stream (what a stream waiting
         on that event inherits in turn)."""
         self.after += [w for w in works if not w.is_completed() and w not in self.after]
 
-    def _engine_waits(self, works: list[TwinWork]) -> None:
+    def _engine_waits(self, works: list[TwinTransfer]) -> None:
         for w in works:
             if not w.frame:
                 continue

@@ -281,7 +281,7 @@ def test_platform_is_chosen_from_the_device_and_can_be_overridden() -> None:
     assert type(platform_for(None)) is Platform
     assert platform_for("cpu").backend == "gloo"
     assert CudaPlatform.backend == "nccl" and XpuPlatform.backend == "xccl"
-    assert XpuPlatform.sync_main_before_send and XpuPlatform.ring_depth_hint == 1
+    assert XpuPlatform.ring_depth_hint == 1
     with pytest.raises(ConfigError, match=r"platform = 'tpu' .* must be one of cpu, cuda, xpu"):
         platform_for("cpu", "tpu")
 
@@ -321,6 +321,49 @@ def test_cpu_platform_stream_calls_are_no_ops() -> None:
     t = torch.zeros(2)
     p.record_stream(t, s)
     p.before_send(s)
+    with p.capture_safe():
+        pass
+
+
+def test_xpu_orders_its_send_with_an_event_never_a_host_sync() -> None:
+    """Rule 6 on XPU: the side stream that issues the collective waits on
+    an event recorded on the main stream; the main stream is never
+    synchronized from the host (the overlap async scheduling relies on)."""
+    calls: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def synchronize(self) -> None:
+            calls.append(f"{self.name}.synchronize")
+
+        def wait_event(self, event: object) -> None:
+            calls.append(f"{self.name}.wait_event({event})")
+
+    side, main = Stream("side"), Stream("main")
+
+    class RecordedEvent:
+        def record(self, stream: Stream) -> None:
+            calls.append(f"record on {stream.name}")
+
+        def __str__(self) -> str:
+            return "event"
+
+    class Xpu:  # torch.xpu's calls that before_send makes, recorded
+        Event = RecordedEvent
+
+        @staticmethod
+        def current_stream(device: object) -> Stream:
+            return side
+
+    class Recorded(XpuPlatform):
+        @property
+        def _mod(self) -> object:
+            return Xpu
+
+    Recorded(torch.device("cpu")).before_send(main)
+    assert calls == ["record on main", "side.wait_event(event)"]
 
 
 

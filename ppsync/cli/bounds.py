@@ -1,0 +1,86 @@
+"""Value parsers for the ``ppsync`` command's flags: a bad value is refused at
+parsing, in one line naming the flag (argparse adds ``argument --flag:``).
+
+A flag that sets a field of a pydantic model (SyncConfig, BenchOptions)
+takes its bounds from that field's own constraints (``Field(ge=..., le=...)``),
+read here: the model is the one place a bound is written. A non-number reads
+as argparse words it: ``invalid int value: 'two'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def field_bounds(model: type[BaseModel], name: str) -> tuple[float | None, bool,
+                                                              float | None, bool]:
+    """(low, low inclusive, high, high inclusive) of ``model.name``'s
+    numeric constraints (None: unbounded on that side)."""
+    low: float | None = None
+    high: float | None = None
+    low_in = high_in = True
+    for m in model.model_fields[name].metadata:
+        if getattr(m, "ge", None) is not None:
+            low, low_in = m.ge, True
+        if getattr(m, "gt", None) is not None:
+            low, low_in = m.gt, False
+        if getattr(m, "le", None) is not None:
+            high, high_in = m.le, True
+        if getattr(m, "lt", None) is not None:
+            high, high_in = m.lt, False
+    return low, low_in, high, high_in
+
+
+def _rule(low: float | None, low_in: bool, high: float | None, high_in: bool) -> str:
+    def g(v: float) -> str:
+        return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+    if low is not None and high is not None:
+        return f"in {'[' if low_in else '('}{g(low)}, {g(high)}{']' if high_in else ')'}"
+    if low is not None:
+        return f"{'>=' if low_in else '>'} {g(low)}"
+    if high is not None:
+        return f"{'<=' if high_in else '<'} {g(high)}"
+    return "a number"
+
+
+def bounded(kind: type[int] | type[float], low: float | None = None, high: float | None = None,
+            *, low_in: bool = True, high_in: bool = True, unit: str = "",
+            why: str = "") -> Callable[[str], Any]:
+    """A parser of ``kind`` values within the given bounds."""
+    rule = _rule(low, low_in, high, high_in)
+
+    def parse(text: str) -> int | float:
+        v = kind(text)  # ValueError: argparse says "invalid int value: 'two'"
+        if isinstance(v, float) and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+        if ((low is not None and (v < low or (v == low and not low_in)))
+                or (high is not None and (v > high or (v == high and not high_in)))):
+            raise argparse.ArgumentTypeError(f"{v} must be {rule}{unit}{why}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def from_field(model: type[BaseModel], name: str, *, low: float | None = None,
+               why: str = "") -> Callable[[str], Any]:
+    """The parser of a flag that sets ``model.name``: its type and bounds
+    from the field (``low`` raises the lower bound for this flag: ``why``
+    says why)."""
+    field_low, low_in, high, high_in = field_bounds(model, name)
+    annotation = model.model_fields[name].annotation
+    kind: type[int] | type[float] = float if annotation in (float, float | None) else int
+    if low is not None:
+        field_low, low_in = low, True
+    return bounded(kind, field_low, high, low_in=low_in, high_in=high_in, why=why)
+
+
+def at_least(low: int) -> Callable[[str], Any]:
+    """An int >= ``low`` (a flag no model bounds)."""
+    return bounded(int, low)
