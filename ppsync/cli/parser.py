@@ -232,8 +232,33 @@ def _parser() -> argparse.ArgumentParser:
     vc.add_argument("--prompts", type=_positive, default=4, help="prompts")
     vc.add_argument("--max-tokens", type=_positive, default=None,
                     help="new tokens per prompt (none: 12; 32 with --spec)")
-    vc.add_argument("--repeat", type=_positive, default=2,
-                    help="generate calls per run, each on every prompt")
+    vc.add_argument("--calls", type=_positive, default=None,
+                    help="generate calls per run, each on every prompt (none: 2; 1 with "
+                    "--fault; 3 with --repeat)")
+    vc.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                    help="timing: N runs per handler, alternating (vLLM's first), each run's "
+                    "generate times and median time per output token after the first call, "
+                    "and the ratio ppsync / vLLM with its min-max")
+    vc.add_argument("--codec", choices=["host", "device"], default=None,
+                    help="ppsync's codec in its run (PPSYNC_CODEC; none: the device's default, "
+                    "device with --emulate)")
+    vc.add_argument("--host-kernels", choices=["auto", "numba", "numpy"], default=None,
+                    help="ppsync's host kernels in its run (PPSYNC_HOST_KERNELS)")
+    vc.add_argument("--device-kernels", choices=["auto", "triton", "torch"], default=None,
+                    help="ppsync's device kernels in its run (PPSYNC_DEVICE_KERNELS)")
+    vc.add_argument("--emulate", choices=get_args(EmulatedName), default=None,
+                    help="ppsync's token groups behave as NCCL's or XCCL's: the CPU twin "
+                    "(PPSYNC_EMULATE; CPU only); the report shows each worker's twin counts")
+    vc.add_argument("--handler-timeout", type=_seconds, default=None, metavar="S",
+                    help="ppsync's bound on every wait in its run (PPSYNC_TIMEOUT_S; none: "
+                    "60; 10 with --fault)")
+    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first"], default=None,
+                    help="one PP worker SIGKILLs (kill-) or SIGSTOPs (stop-) itself while the "
+                    "engine generates, with each handler: how each engine ended")
+    vc.add_argument("--fault-after", type=_positive, default=4, metavar="N",
+                    help="the faulted worker's step of its fault")
+    vc.add_argument("--fault-bound", type=_seconds, default=120.0, metavar="S",
+                    help="how long after the fault a run is watched before it is called hung")
     vc.add_argument("--seed", type=_non_negative, default=0,
                     help="seed of the prompts and of the dummy weights")
     vc.add_argument("--hidden", type=_at_least(64), default=128,

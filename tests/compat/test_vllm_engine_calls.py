@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from twin_mode import check_engine_stream
 from vllm_standin import use_standin, write_standin
 
 from ppsync.compat.vllm import PPHandler, SampledOutputs
@@ -94,6 +95,7 @@ class Case:
     empty_every: int = 5  # steps t % empty_every == 2 have an empty schedule
     no_drafts_every: int = 0  # steps t % no_drafts_every == 1 propose no drafts
     aux: bool = False  # stages pass hidden states and a relayed aux down the pipe
+    emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin (device codec)
 
     @property
     def L(self) -> int:
@@ -229,8 +231,10 @@ def engine_rank(case: Case, standin: Path, env: RankEnv) -> Seen:
     table = torch.full((MAX_NUM_REQS, K), -7, dtype=torch.int64)  # req_states.draft_tokens
     rng = np.random.default_rng(case.seed + 1000)
     seen = Seen()
-    with PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface) as h:
+    with PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface,
+                   emulate=case.emulate) as h:
         assert h.is_last_rank == last
+        assert h.token_path.completion.stream_ordered == (case.emulate is not None)
         if case.aux:
             h.configure_aux_hidden_state_relay(Model())
         for t in range(case.steps + case.pp_size):
@@ -273,6 +277,7 @@ def engine_rank(case: Case, standin: Path, env: RankEnv) -> Seen:
                     h.broadcast_drafts(full, batch)
                 elif drafts:
                     h.broadcast_drafts(torch.from_numpy(step.drafts_np))
+    check_engine_stream("twin" if case.emulate else "gloo")
     return seen
 
 
@@ -282,6 +287,9 @@ CASES = [
     Case("0.33", pp_size=2, K=3, no_drafts_every=3, seed=2),
     Case("0.33", pp_size=3, K=2, no_drafts_every=4, seed=3, empty_every=4),
     Case("0.33", pp_size=2, K=0, seed=4),
+    # on the twin of NCCL and XCCL, as the plugin's PPSYNC_EMULATE builds them
+    Case("0.32", pp_size=3, K=3, seed=1, aux=True, emulate="nccl"),
+    Case("0.33", pp_size=2, K=3, no_drafts_every=3, seed=2, emulate="xccl"),
 ]
 
 

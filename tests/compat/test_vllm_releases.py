@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import pytest
 import torch
+from twin_mode import check_engine_stream
 
 from ppsync.compat.vllm import PPHandler, PPHandler034Cpu, SampledOutputs
 from ppsync.errors import ProtocolError
@@ -92,6 +94,7 @@ class Case:
     seed: int
     steps: int = 60
     empty_every: int = 5
+    emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin (device codec)
 
     @property
     def table(self) -> bool:
@@ -169,10 +172,13 @@ def engine_rank(case: Case, env: RankEnv) -> Seen:
     checker = Checker(wl)
     table = torch.full((MAX_NUM_REQS, K), -7, dtype=torch.int64)  # req_states.draft_tokens
     seen = Seen()
+    # the twin through the handler's own argument
     if case.interface == "0.34-cpu":
-        h: PPHandler = PPHandler034Cpu(MAX_NUM_REQS, CPU, timeout_s=WAIT_S)
+        h: PPHandler = PPHandler034Cpu(MAX_NUM_REQS, CPU, timeout_s=WAIT_S, emulate=case.emulate)
     else:
-        h = PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface)
+        h = PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface,
+                      emulate=case.emulate)
+    assert h.token_path.completion.stream_ordered == (case.emulate is not None)
     with h:
         for t in range(case.steps + 2):
             before = table.clone()
@@ -205,12 +211,16 @@ def engine_rank(case: Case, env: RankEnv) -> Seen:
                 with pytest.raises(ProtocolError, match=r"broadcast_drafts\(\) is not in vLLM "
                                                         rf"{case.interface}'s PPHandler"):
                     h.broadcast_drafts(torch.zeros(step.num_reqs, K, dtype=torch.int64))
+    check_engine_stream("twin" if case.emulate else "gloo")
     return seen
 
 
 CASES = [
     Case("0.23", K=0, seed=10), Case("0.23", K=2, seed=11), Case("0.25", K=1, seed=12),
     Case("0.30", K=0, seed=13), Case("0.30", K=2, seed=19), Case("0.34-cpu", K=0, seed=15),
+    # on the twin of NCCL and XCCL, as the plugin's PPSYNC_EMULATE builds them
+    Case("0.23", K=2, seed=11, emulate="nccl"), Case("0.25", K=1, seed=12, emulate="xccl"),
+    Case("0.30", K=2, seed=19, emulate="nccl"), Case("0.34-cpu", K=0, seed=15, emulate="xccl"),
 ]
 
 

@@ -315,19 +315,25 @@ def test_every_codec_releases_what_the_reference_releases(k: int,
     assert len(ref_recv.released) >= STEPS
 
 
-# -- the vLLM adapter, both interfaces ----------------------------------------------------
+# -- the vLLM adapter, each draft interface ----------------------------------------------------
 
 def _adapter_rank(variant: dict[str, str], interface: str, seed: int,
                   env: RankEnv) -> list[Record]:
     k = 2
+    table_shape = interface in ("0.30", "0.32")  # the draft table in and out (0.33: gathered)
     steps, out = _schedule(k, seed), list[Record]()
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64)
+    # the twin through the adapter's own argument: its token group takes the
+    # same completion choice as every path's (emulate, then completion_for)
     with PPHandler(MAX_NUM_REQS, k, torch.device("cpu"), timeout_s=TIMEOUT_S,
                    interface=interface, board=None, **variant) as h:  # type: ignore[arg-type]
         _uses(h._path, variant)
+        assert h._path.completion.stream_ordered == ("emulate" in variant)
+        if "emulate" in variant:
+            assert h._path.completion.name == f"stream-ordered (twin of {variant['emulate']})"
         for t in range(STEPS + 2):
             step = steps[t] if t < STEPS else None
-            got = (h.get_prev_sampled_outputs(table) if interface == "0.32"
+            got = (h.get_prev_sampled_outputs(table) if table_shape
                    else h.get_prev_sampled_outputs())
             if got is not None:
                 values: dict[str, torch.Tensor | None] = dict(got)  # type: ignore[arg-type]
@@ -343,12 +349,12 @@ def _adapter_rank(variant: dict[str, str], interface: str, seed: int,
             batch = _Batch(step.view, 0 if step.width == 1 else k)
             has = step.drafts is not None and step.width != 1
             if not h.is_last_rank:
-                if interface == "0.32":
+                if table_shape:
                     h.receive(batch)
                 else:
                     h.receive(batch, has)
                 continue
-            w = k + 1 if interface == "0.32" or step.width != 1 else 1
+            w = k + 1 if table_shape or step.width != 1 else 1
             tokens = torch.full((step.view.num_reqs, w), -1, dtype=torch.int64)
             ns = torch.clamp(step.num_sampled, max=w)
             nr = torch.clamp(step.num_rejected, max=w - 1)
@@ -356,12 +362,13 @@ def _adapter_rank(variant: dict[str, str], interface: str, seed: int,
             if has:
                 drafts = step.drafts
                 assert drafts is not None
-                if interface == "0.32":
+                if table_shape:
                     full = torch.zeros((MAX_NUM_REQS, k), dtype=torch.int64)
                     full[torch.from_numpy(step.view.idx_mapping_np)] = drafts
                     h.broadcast_drafts(full, batch)
                 else:
                     h.broadcast_drafts(drafts)
+    check_engine_stream(_split(variant)[1])  # twin: no engine-stream wait on an unconsumed one
     return out
 
 
@@ -377,9 +384,15 @@ class _Batch:
         return getattr(self.view, names.get(name, name))
 
 
+ADAPTER_VARIANTS = [*_variants(), pytest.param(
+    {"codec": "device", "device_kernels": "torch", "emulate": "xccl"}, id="device,torch,xccl")]
+"""Every codec variant, on the twin of NCCL and of XCCL too (as the vLLM
+plugin's PPSYNC_EMULATE builds it)."""
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("interface", ["0.32", "0.33"])
-@pytest.mark.parametrize("variant", _variants(twin=False))
+@pytest.mark.parametrize("interface", ["0.30", "0.32", "0.33"])
+@pytest.mark.parametrize("variant", ADAPTER_VARIANTS)
 def test_the_vllm_adapter_gives_the_same_outputs_with_every_codec(
         interface: str, variant: dict[str, str]) -> None:
     ref = spawn_ranks(functools.partial(_adapter_rank, VARIANTS[0], interface, 5), 2,

@@ -64,8 +64,9 @@ def _runs(ours_workers: tuple[WorkerRecord, ...] | None = None,
 
 def test_arguments_and_defaults() -> None:
     args = _parser().parse_args(["vllm-check"])
-    assert (args.pp_size, args.prompts, args.max_tokens, args.repeat, args.seed) == (
-        2, 4, None, 2, 0)
+    assert (args.pp_size, args.prompts, args.max_tokens, args.calls, args.repeat, args.seed) == (
+        2, 4, None, None, 1, 0)
+    assert (args.codec, args.emulate, args.fault, args.handler_timeout) == (None, None, None, None)
     assert (args.spec, args.spec_method) == (0, "ngram_gpu")
     args = _parser().parse_args(["vllm-check", "--spec", "3", "--spec-method", "ngram",
                                  "--pp-size", "3"])

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, rebuilt_like
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
+from ppsync.compat.vllm.settings import check_twin
 from ppsync.compat.vllm.versions import (
     Interface,
     Runner,
@@ -62,6 +63,7 @@ from ppsync.compat.vllm.versions import (
 from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView
 from ppsync.core.codec import StepDrafts, default_codec, frames_home
+from ppsync.core.completion import emulate as emulate_group
 from ppsync.core.groups import strided_layout, token_group_in_layout
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
@@ -100,15 +102,16 @@ class PPHandler:
     point (vLLM's workers all do); ``layout``: every PP group of the world
     (None: vLLM's layout, derived from the world size and ``group``'s ranks,
     ppsync.core.groups.strided_layout). ``ring_depth`` is D (None: pp_size, or what
-    :meth:`default_ring_depth` says); ``timeout_s``
-    bounds every wait; ``interface``: the vLLM interface served (see
-    ppsync.compat.vllm.versions; None: the installed vLLM's), which picks
-    the subclass this call builds; ``board``: where ranks post failures
-    ("group", the default: in the token group's own store; None: no board);
-    ``codec``: None picks the device codec for a non-CPU device;
-    ``host_kernels``: the host path's kernels (SyncConfig.host_kernels);
-    ``device_kernels``: the device path's (SyncConfig.device_kernels). Bad values
-    raise :class:`ConfigError` before any collective.
+    :meth:`default_ring_depth` says); ``timeout_s`` bounds every wait;
+    ``interface``: the vLLM interface served (see ppsync.compat.vllm.versions;
+    None: the installed vLLM's), which picks the subclass this call builds;
+    ``board``: where ranks post failures ("group", the default: in the token
+    group's own store; None: no board); ``codec``: None picks the device codec
+    for a non-CPU device or with ``emulate``; ``host_kernels``: the host path's kernels
+    (SyncConfig.host_kernels); ``device_kernels``: the device path's
+    (SyncConfig.device_kernels); ``emulate``: "nccl" | "xccl", the token group
+    behaves as that backend's (the CPU twin: CPU tensors, the device codec).
+    Bad values raise :class:`ConfigError` before any collective.
     """
 
     interface: ClassVar[str | None] = None
@@ -153,6 +156,7 @@ class PPHandler:
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
         layout: Sequence[Sequence[int]] | None = None,
+        emulate: Literal["nccl", "xccl"] | None = None,
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
             raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "
@@ -171,8 +175,8 @@ class PPHandler:
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         if ring_depth is None:
             ring_depth = self.default_ring_depth(self.device)
-        if codec is None:
-            codec = default_codec(self.device)
+        if codec is None:  # the twin carries device frames, as NCCL does
+            codec = "device" if emulate is not None else default_codec(self.device)
         config = SyncConfig.build(
             pp_size=dist.get_world_size(pp_group),
             max_num_reqs=max_num_reqs,
@@ -186,11 +190,15 @@ class PPHandler:
         self.config = config
         # the device codec's frames live on the engine's device: its backend
         # (nccl on CUDA, xccl on XPU); host frames go over gloo
+        if emulate is not None:  # before any group is made
+            check_twin(config, emulate, self.device)
         backend, platform = frames_home(codec, platform_for(self.device))
         if layout is None:
             layout = strided_layout(dist.get_world_size(), dist.get_process_group_ranks(pp_group))
         tokens = token_group_in_layout(pp_group, layout, timeout_s=config.timeout_s,
                                        backend=backend)
+        if emulate is not None:  # the same completion choice as every path's
+            emulate_group(tokens, emulate)
         self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,
                                platform=platform)
         self._aux = AuxRelay()

@@ -21,11 +21,17 @@ import, from pp_utils):
   ``PPHandler(max_num_reqs=..., device=...)``; where that module cannot be
   imported (a vLLM built for another device) it is left alone, and logged.
 
-The model runner then builds ppsync's handler exactly where it built its own
-and drives it through the same calls. Registering again changes nothing. A
-vLLM older than 0.23 (no PPHandler) is a ConfigError; one newer than the
-table is left with its own handler, and a warning says why, unless
-``PPSYNC_VLLM_INTERFACE`` names the interfaces to serve it with.
+The operator's settings (``PPSYNC_CODEC``, ``PPSYNC_HOST_KERNELS``,
+``PPSYNC_DEVICE_KERNELS``, ``PPSYNC_TIMEOUT_S``, ``PPSYNC_EMULATE``,
+``PPSYNC_DUMP_DIR``: ppsync.compat.vllm.settings) are read and checked here,
+first: a bad value is a ConfigError in every process at load, before
+anything is replaced. A handler call that raises on a PP rank other than
+the last ends its worker (``PPSYNC_VLLM_ON_ERROR``, :func:`_leaving`).
+The model runner then builds ppsync's handler, with those settings,
+exactly where it built its own and drives it through the same calls.
+Registering again changes nothing. A vLLM older than 0.23 (no PPHandler)
+is a ConfigError; one newer than the table is left with its own handler,
+and a warning says why, unless ``PPSYNC_VLLM_INTERFACE`` names the interfaces to serve it with.
 
 vLLM is imported only here and only when switched on: the rest of ppsync
 never needs it.
@@ -33,15 +39,20 @@ never needs it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ppsync.compat.vllm.handler import PPHandler, handler_class
+from ppsync.compat.vllm.settings import ENV_ON_ERROR, PluginSettings, plugin_settings
 from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.compat.vllm.versions import (
     DEFAULT_INTERFACE,
@@ -55,9 +66,11 @@ from ppsync.compat.vllm.versions import (
     newer_than_table,
     resolve_interface,
 )
+from ppsync.compat.vllm.watchdog import PendingWatch
 from ppsync.errors import ConfigError
 
-__all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "MODEL_RUNNER", "PP_UTILS",
+__all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "EXIT_STATUS", "HANDLER_CALLS",
+           "LEAVE_HOOKS", "MODEL_RUNNER", "PP_UTILS",
            "VllmCpuPPHandler", "VllmPPHandler", "chosen_interfaces", "register",
            "vllm_handler_class"]
 
@@ -86,17 +99,27 @@ def _vllm_pp_group() -> dist.ProcessGroup:
     return group
 
 
+def _settings_kwargs() -> dict[str, Any]:
+    """The handler's keywords from the operator's variables (read once)."""
+    s = plugin_settings()
+    return {"codec": s.codec, "host_kernels": s.host_kernels,
+            "device_kernels": s.device_kernels, "timeout_s": s.timeout_s,
+            "emulate": s.emulate}
+
+
 class VllmPPHandler(PPHandler):
     """ppsync's handler, built with the arguments vLLM's GPU model runner
-    passes its own and with vLLM's PP group (``get_pp_group().device_group``);
-    the interface follows the installed vLLM's version."""
+    passes its own, with vLLM's PP group (``get_pp_group().device_group``)
+    and with the operator's settings (ppsync.compat.vllm.settings); the
+    interface follows the installed vLLM's version."""
 
     def __init__(self, max_num_reqs: int, num_speculative_steps: int,
                  device: torch.device) -> None:
         # the default failure board lives in the token group's own store (the
         # world's), so a desync or a lost peer one rank sees reaches every rank
         super().__init__(max_num_reqs, num_speculative_steps, device,
-                         group=_vllm_pp_group())
+                         group=_vllm_pp_group(), **_settings_kwargs())
+        self._watch = _watch(self)
 
 
 class VllmCpuPPHandler(PPHandler034Cpu):
@@ -104,8 +127,72 @@ class VllmCpuPPHandler(PPHandler034Cpu):
     ``max_num_reqs`` and ``device``."""
 
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
-        super().__init__(max_num_reqs, device, group=_vllm_pp_group())
+        super().__init__(max_num_reqs, device, group=_vllm_pp_group(), **_settings_kwargs())
+        self._watch = _watch(self)
 
+
+def _watch(handler: PPHandler) -> PendingWatch | None:
+    """A first or middle rank's watchdog (PPSYNC_VLLM_ON_ERROR=exit): a
+    transfer pending past timeout_s while vLLM makes no call ends the worker."""
+    if handler.is_last_rank or plugin_settings().on_error != "exit":
+        return None
+    return PendingWatch(handler.token_path,
+                        lambda err: _leave(handler, "its watchdog", err))
+
+
+HANDLER_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
+"""The calls vLLM's model runner makes per step."""
+EXIT_STATUS = 70
+"""A worker's exit status when it leaves on an error (PPSYNC_VLLM_ON_ERROR=exit)."""
+LEAVE_HOOKS: list[Callable[[str, BaseException], None]] = []
+"""Called with (call, error) just before a worker leaves on an error (the
+check's worker hooks record the error there)."""
+
+
+def _leaving(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` of a plugin-built handler: on a rank other than the last,
+    an error ends the worker process (PPSYNC_VLLM_ON_ERROR=exit), since
+    vLLM's executor reads results, errors included, only from the last PP
+    rank's worker and would otherwise wait for ever; it does see a worker
+    die, and then ends the engine."""
+
+    @functools.wraps(call)
+    def leaving(self: PPHandler, *args: Any, **kwargs: Any) -> Any:
+        watch: PendingWatch | None = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.busy = True  # the call's own bound applies
+        try:
+            return call(self, *args, **kwargs)
+        except Exception as e:
+            if self.is_last_rank or plugin_settings().on_error != "exit":
+                raise
+            _leave(self, f"{call.__name__}()", e)
+            raise  # pragma: no cover - _leave does not return
+        finally:
+            if watch is not None:
+                watch.busy = False
+
+    return leaving
+
+
+def _leave(handler: PPHandler, call: str, error: BaseException) -> None:
+    path = handler.token_path
+    first = (str(error).splitlines() or [""])[0]
+    log.error("ppsync: PP rank %d (global rank %d): %s raised %s: %s; this worker exits "
+              "(status %d; %s=exit) so that vLLM's executor, which hears errors from the last "
+              "PP rank only, ends the engine", path.rank, path.global_rank, call,
+              type(error).__name__, first, EXIT_STATUS, ENV_ON_ERROR)
+    for hook in LEAVE_HOOKS:
+        with contextlib.suppress(Exception):
+            hook(call, error)
+    for handler_ in logging.getLogger().handlers + log.handlers:
+        with contextlib.suppress(Exception):
+            handler_.flush()
+    sys.stderr.flush()
+    _exit(EXIT_STATUS)
+
+
+_exit: Callable[[int], None] = os._exit  # a test puts a stand-in here
 
 _bound: dict[str, type[PPHandler]] = {}
 
@@ -119,7 +206,8 @@ def vllm_handler_class(interface: str | None = None) -> type[PPHandler]:
         base = handler_class(name)
         mixin = VllmCpuPPHandler if base.runner == "cpu" else VllmPPHandler
         _bound[name] = type(f"Vllm{base.__name__}", (mixin, base), {
-            "__doc__": f"{base.__doc__} Built by vLLM's model runner (the plugin)."})
+            "__doc__": f"{base.__doc__} Built by vLLM's model runner (the plugin).",
+            **{call: _leaving(getattr(base, call)) for call in HANDLER_CALLS}})
     return _bound[name]
 
 
@@ -156,11 +244,20 @@ def register() -> None:
     nothing."""
     if os.environ.get(ENV_SWITCH) != "1":
         return
+    # every process of the engine reads the same variables: a bad one fails
+    # each of them here, before any handler is built
+    settings = plugin_settings()
     chosen = chosen_interfaces()  # chosen once, by the installed version or the variable
     if chosen is None:
         return
     for runner, interface in chosen.items():
         _bind(runner, vllm_handler_class(interface))
+    if chosen and settings != _logged[0]:
+        _logged[0] = settings
+        log.info("ppsync: vLLM's handlers built with %s", settings.describe())
+
+
+_logged: list[PluginSettings | None] = [None]
 
 
 def _bind(runner: Runner, cls: type[PPHandler]) -> None:

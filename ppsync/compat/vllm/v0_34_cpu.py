@@ -41,8 +41,12 @@ class PPHandler034Cpu(PPHandler023):
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
+        host_kernels: Literal["auto", "numba", "numpy"] = "auto",
+        device_kernels: Literal["auto", "triton", "torch"] = "auto",
         layout: Sequence[Sequence[int]] | None = None,
+        emulate: Literal["nccl", "xccl"] | None = None,
     ) -> None:
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
                          timeout_s=timeout_s, interface=interface, board=board, codec=codec,
-                         layout=layout)
+                         host_kernels=host_kernels, device_kernels=device_kernels,
+                         layout=layout, emulate=emulate)

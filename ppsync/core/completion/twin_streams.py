@@ -148,7 +148,12 @@ class TwinStream:
         if self.main:
             fn()
         else:
-            self._queue.put((time.monotonic() + self.lag_s, fn))
+            # a device stream's work runs in the submitting thread's autograd
+            # state; this stand-in's thread has its own: vLLM steps under
+            # torch.inference_mode(), where tensors made then may be updated
+            # in place only under it
+            self._queue.put((time.monotonic() + self.lag_s,
+                             _in_mode(torch.is_inference_mode_enabled(), fn)))
 
     def wait_work(self, work: TwinTransfer) -> None:
         """The stream waits (device-side) for ``work``'s transfer."""
@@ -194,6 +199,14 @@ class TwinStream:
             STATS.engine_waits_unconsumed += 1
             if len(STATS.where) < 3:
                 STATS.where.append("".join(traceback.format_stack(limit=8)[:-2]))
+
+
+def _in_mode(inference: bool, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with torch.inference_mode(inference):
+            fn()
+
+    return run
 
 
 def _STOP() -> None:

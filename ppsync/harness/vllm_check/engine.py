@@ -3,8 +3,9 @@
 ``python -m ppsync.harness.vllm_check.engine SPEC.json OUT.json`` builds
 vLLM's offline ``LLM`` with the model, pipeline size and settings of
 SPEC, generates greedily for SPEC's prompts (token ids: the model has no
-tokenizer) ``repeat`` times, and writes the tokens of every call and each
-call's duration to OUT; with ``spec`` (K > 0) speculative decoding with
+tokenizer) ``calls`` times, and writes the tokens of every call and each
+call's duration to OUT (a call that raises: its error as the caller saw
+it, and the time; then it goes on); with ``spec`` (K > 0) speculative decoding with
 ``spec_method`` and K draft tokens (n-gram lookups of 2 to 3 tokens for the
 n-gram methods), and vLLM's acceptance counters after the last call. Which
 handler vLLM builds is decided by the environment the check gives this
@@ -80,16 +81,38 @@ def run(spec: dict[str, object], out: Path) -> None:
     prompt_ids = spec["prompts"]
     assert isinstance(prompt_ids, list)
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-    tokens, seconds = [], []
-    for _ in range(int(str(spec["repeat"]))):
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds.append(time.perf_counter() - t0)
-        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    tokens: list[list[list[int]]] = []
+    seconds: list[float] = []
     result: dict[str, object] = {"tokens": tokens, "generate_s": seconds}
+    try:
+        for _ in range(int(str(spec["calls"]))):
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds.append(time.perf_counter() - t0)
+            tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    except Exception as e:  # what the caller of generate saw (a fault run expects one)
+        result["error"] = caller_error(e)
+        result["ended_at"] = time.time()
+        out.write_text(json.dumps(result))
+        raise
     if spec_config is not None:
         result["spec"] = spec_figures(list(llm.get_metrics()))
     out.write_text(json.dumps(result))
+
+
+def caller_error(e: BaseException) -> dict[str, str]:
+    """An exception as the caller saw it: its type, its first line, and the
+    whole text of it and of its causes (where a rank may be named)."""
+    parts, seen = [], set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        parts.append(f"{type(cur).__name__}: {cur}")
+        parts += [str(n) for n in getattr(cur, "__notes__", ())]
+        cur = cur.__cause__ or cur.__context__
+    lines = str(e).splitlines()
+    return {"type": f"{type(e).__module__}.{type(e).__qualname__}",
+            "first_line": lines[0] if lines else "", "text": "\n".join(parts)}
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["NGRAM_METHODS", "RunResult", "SpecFigures", "WorkerRecord", "failures", "format_report",
-           "read_workarounds", "read_worker_records", "spec_figures", "token_differences"]
+           "handler_failures", "path_line", "read_workarounds", "read_worker_records",
+           "spec_figures", "token_differences"]
 
 NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's model-free proposers (prompt lookup)
 TIMED = ("receive", "broadcast", "broadcast_drafts", "get_prev_sampled_outputs")
 MULTI_SHOWN = 12  # steps listed where a row had num_sampled > 1
+PATH_FACTS = ("codec", "host_kernels", "device_kernels", "completion")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class WorkerRecord:
     steps: int = 0  # steps with sampled outputs: broadcast (last rank) or
     # get_prev_sampled_outputs that returned them (the others)
     multi_steps: tuple[int, ...] = ()  # which of those (0-based) had a row with num_sampled > 1
+    path: dict[str, str] = field(default_factory=dict)  # ppsync: codec, kernels, completion
+    twin: tuple[int, int, int] | None = None  # the twin's last counts: engine-stream waits
+    # on unconsumed transfers, on consumed ones, side-stream waits (None: not on the twin)
+    errors: tuple[tuple[float, str, str, str], ...] = ()  # (time, call, type, first line)
+    fault: tuple[float, str, int] | None = None  # (time, action, step) of its own fault
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,8 @@ class RunResult:
     notes: tuple[str, ...] = field(default=())
     spec: SpecFigures | None = None  # vLLM's acceptance counters (speculative decoding)
     workarounds: dict[str, int] = field(default_factory=dict)  # name -> processes it acted in
+    caller: dict[str, str] | None = None  # the error generate raised: type, first_line, text
+    ended_at: float | None = None  # when generate raised (time.time())
 
 
 def read_workarounds(record_dir: Path) -> dict[str, int]:
@@ -126,6 +135,9 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
         all_rows = steps = 0
         rows: list[int] = []
         multi: list[int] = []
+        twin: tuple[int, int, int] | None = None
+        errors: list[tuple[float, str, str, str]] = []
+        fault: tuple[float, str, int] | None = None
         for line in path.read_text().splitlines():
             try:
                 event = json.loads(line)
@@ -133,6 +145,13 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
                 continue
             if event.get("event") == "handler":
                 head = event
+            elif event.get("event") == "twin":
+                twin = tuple(int(c) for c in event["counts"])  # type: ignore[assignment]
+            elif event.get("event") == "error":
+                errors.append((float(event["t"]), str(event["call"]), str(event["type"]),
+                               str(event["line"])))
+            elif event.get("event") == "fault":
+                fault = (float(event["t"]), str(event["action"]), int(event["step"]))
             elif event.get("event") in calls:
                 calls[event["event"]].append(float(event["s"]))
                 all_rows += event.get("returned") is True
@@ -152,7 +171,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             receive_s=tuple(calls["receive"]), broadcast_s=tuple(calls["broadcast"]),
             prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows,
             receive_rows=tuple(rows), drafts_s=tuple(calls["broadcast_drafts"]),
-            steps=steps, multi_steps=tuple(multi)))
+            steps=steps, multi_steps=tuple(multi), twin=twin, errors=tuple(errors),
+            fault=fault, path={k: str(head[k]) for k in PATH_FACTS if k in head}))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
 
 
@@ -176,7 +196,9 @@ def token_differences(a: RunResult, b: RunResult, limit: int = 5) -> list[str]:
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def _handler_failures(run: RunResult, pp_size: int) -> list[str]:
+def handler_failures(run: RunResult, pp_size: int) -> list[str]:
+    """Why ``run``'s workers fail: a rank that recorded nothing, a handler
+    not the one asked for, engine-stream waits on unconsumed transfers."""
     out = []
     want = "ppsync's" if run.expect_ppsync else "vLLM's own"
     ranks = sorted({w.pp_rank for w in run.workers})
@@ -187,7 +209,26 @@ def _handler_failures(run: RunResult, pp_size: int) -> list[str]:
         if w.ppsync != run.expect_ppsync or w.handler is None:
             out.append(f"{run.label}: worker pid {w.pid} (PP rank {w.pp_rank}) built "
                        f"{w.handler or 'no handler'}, not {want} PPHandler")
+        if w.twin is not None and w.twin[0]:
+            out.append(f"{run.label}: PP rank {w.pp_rank}: {w.twin[0]} engine-stream waits on "
+                       "transfers not yet consumed (the twin of a stream-ordered backend: must "
+                       "be 0)")
     return out
+
+
+def path_line(w: WorkerRecord) -> str:
+    """What a ppsync worker's token path ran, and the twin's counts."""
+    p = w.path
+    if not p:
+        return ""
+    twin = "" if w.twin is None else (
+        f"; twin: {w.twin[0]} engine-stream waits on unconsumed transfers, {w.twin[1]} on "
+        f"consumed ones, {w.twin[2]} side-stream waits")
+    if "twin of" in p.get("completion", "") and w.twin is None:
+        twin = "; twin: no wait counted"
+    kernels = (f"device kernels {p.get('device_kernels')}" if p.get("codec") == "device"
+               else f"host kernels {p.get('host_kernels')}")
+    return (f"codec {p.get('codec')}, {kernels}, semantics {p.get('completion')}{twin}")
 
 
 def spec_failures(run: RunResult) -> list[str]:
@@ -212,7 +253,7 @@ def failures(base: RunResult, ours: RunResult, pp_size: int, spec: int = 0) -> l
         if run.error is not None:
             out.append(f"{run.label}: did not finish: {run.error}")
     for run in (base, ours):
-        out += _handler_failures(run, pp_size)
+        out += handler_failures(run, pp_size)
     if base.error is None and ours.error is None:
         diffs = token_differences(base, ours)
         out += [f"tokens differ: {d}" for d in diffs]
@@ -273,6 +314,8 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
             mark = "ppsync" if w.ppsync else "vLLM"
             lines.append(f"  {run.label}: PP rank {w.pp_rank}/{w.pp_size} (pid {w.pid}, "
                          f"{w.runner}): {w.handler or 'none'} [{mark}]")
+            if w.path:
+                lines.append(f"    ran: {path_line(w)}")
     lines.append("")
     if base.error is None and ours.error is None:
         diffs = token_differences(base, ours)

@@ -20,6 +20,15 @@ variable the check sets:
   to ``DIR/worker-<pid>.jsonl``, then one line per
   ``get_prev_sampled_outputs``, ``receive`` and ``broadcast`` call with its
   duration (and, for ``receive``, what it returned and the batch's rows).
+  For ppsync's handler the first line also says which codec, kernel sets
+  and completion semantics it really runs, and on the CPU twin a line
+  carries the twin's counts whenever they change
+  (ppsync.core.completion.STATS); a call that raises writes its error
+  (type, first line, time).
+- ``PPSYNC_VLLM_CHECK_FAULT=ACTION:RANK:N`` (with the recording): the worker
+  of PP rank RANK writes the time and sends itself ACTION (``kill``:
+  SIGKILL, ``stop``: SIGSTOP) at its N-th step (the last rank's
+  ``broadcast``, another rank's ``receive``), while the engine generates.
 - ``PPSYNC_VLLM_CHECK_SEED=N``: after vLLM's dummy loader filled the weights
   (every tensor from the same seed, so all look alike and the tokens
   repeat), refills each floating-point tensor from a generator seeded with
@@ -35,6 +44,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import signal
 import sys
 import time
 import zlib
@@ -48,11 +58,14 @@ ENV_RECORD = "PPSYNC_VLLM_CHECK_RECORD"
 ENV_SEED = "PPSYNC_VLLM_CHECK_SEED"
 ENV_MASK_CAST = "PPSYNC_VLLM_CHECK_MASK_CAST"
 ENV_ASYNC = "PPSYNC_VLLM_CHECK_ASYNC_SCHEDULING"
+ENV_FAULT = "PPSYNC_VLLM_CHECK_FAULT"
+FAULT_SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
 TRITON_INTERPRETER = "triton.runtime.interpreter"
 CPU_PLATFORM = "vllm.platforms.cpu"
 GPU_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
+PPSYNC_PLUGIN = "ppsync.compat.vllm.plugin"
 TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
 
 
@@ -122,23 +135,85 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
     group = get_pp_group()
     cls = type(handler)
     ppsync_base = importlib.import_module(PPSYNC_HANDLER).PPHandler
+    ours = handler is not None and issubclass(cls, ppsync_base)
     out = (record_dir / f"worker-{os.getpid()}.jsonl").open("a", buffering=1)
     out.write(json.dumps({
         "event": "handler", "pid": os.getpid(), "pp_rank": group.rank_in_group,
         "pp_size": group.world_size, "runner": type(runner).__qualname__,
         "handler": None if handler is None else f"{cls.__module__}.{cls.__qualname__}",
-        "ppsync": handler is not None and issubclass(cls, ppsync_base)}) + "\n")
+        "ppsync": ours, **(path_facts(getattr(handler, "token_path", None)) if ours else {})
+    }) + "\n")
     if handler is None:
         return
+    stats = importlib.import_module("ppsync.core.completion").STATS if ours else None
+    if ours:  # a worker that leaves on an error (the plugin's PPSYNC_VLLM_ON_ERROR=exit)
+        importlib.import_module(PPSYNC_PLUGIN).LEAVE_HOOKS.append(
+            lambda call, e: write_error(out, call, e))
+    last = group.rank_in_group == group.world_size - 1
+    fault = _fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
     for name in TIMED_CALLS:
-        setattr(handler, name, _timed(name, getattr(handler, name), out))
+        setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault))
 
 
-def _timed(name: str, call: Callable[..., Any], out: Any) -> Callable[..., Any]:
+def write_error(out: Any, call: str, e: BaseException) -> None:
+    """Record a handler call's error: its time, type and first line."""
+    text = str(e).splitlines()
+    out.write(json.dumps({"event": "error", "call": call, "t": time.time(),
+                          "type": type(e).__name__, "line": text[0] if text else ""}) + "\n")
+    out.flush()
+
+
+def path_facts(path: Any) -> dict[str, object]:
+    """What a ppsync token path really runs: codec, kernel sets, semantics."""
+    codec = path.codec
+    return {"codec": path.config.codec, "host_kernels": codec.kernels.name,
+            "device_kernels": codec.device_kernels_name, "completion": path.completion.name}
+
+
+def _fault_for(pp_rank: int, call: str, out: Any) -> Callable[[str], None] | None:
+    """The fault ``PPSYNC_VLLM_CHECK_FAULT`` asks of this worker: called
+    before each timed call; at the N-th ``call`` it records the time and
+    signals this process."""
+    raw = os.environ.get(ENV_FAULT, "")
+    if not raw:
+        return None
+    action, rank, after = raw.split(":")
+    if int(rank) != pp_rank:
+        return None
+    count = [0]
+
+    def maybe_fault(name: str) -> None:
+        if name != call:
+            return
+        count[0] += 1
+        if count[0] == int(after):
+            out.write(json.dumps({"event": "fault", "t": time.time(), "action": action,
+                                  "pp_rank": pp_rank, "step": count[0]}) + "\n")
+            out.flush()
+            os.kill(os.getpid(), getattr(signal, FAULT_SIGNALS[action]))
+
+    return maybe_fault
+
+
+def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None,
+           fault: Callable[[str], None] | None = None) -> Callable[..., Any]:
+    seen = [(0, 0, 0)]
+
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if fault is not None:
+            fault(name)
         t0 = time.perf_counter()
-        result = call(*args, **kwargs)
+        try:
+            result = call(*args, **kwargs)
+        except Exception as e:
+            write_error(out, name, e)
+            raise
         seconds = time.perf_counter() - t0
+        if stats is not None:
+            now = (stats.engine_waits_unconsumed, stats.engine_waits_consumed, stats.side_waits)
+            if now != seen[0]:
+                seen[0] = now
+                out.write(json.dumps({"event": "twin", "counts": list(now)}) + "\n")
         returned = f', "returned": {json.dumps(result)}' if isinstance(result, bool) else ""
         rows = getattr(args[0], "num_reqs", None) if args else None  # receive's input_batch
         if isinstance(rows, int):

@@ -1,0 +1,208 @@
+"""What an operator sets for ppsync's vLLM handler: environment variables,
+read and checked once, when the plugin loads (ppsync.compat.vllm.plugin).
+
+vLLM loads the plugin in every one of its processes (the engine's and each
+worker's) with the same environment, so a bad value fails every process at
+start, each with the same one line naming the variable, the value and the
+rule (:class:`ConfigError`), before any handler is built and before any
+collective: an engine never runs with some workers on vLLM's handler and
+others on ppsync's. The handlers the plugin binds are built with
+:func:`plugin_settings` (read again only when the environment changed,
+which a test does; vLLM does not).
+
+- ``PPSYNC_CODEC``: ``host`` | ``device`` (unset: the device codec on an
+  accelerator, the host codec on CPU; with ``PPSYNC_EMULATE``: device);
+- ``PPSYNC_HOST_KERNELS``: ``auto`` | ``numba`` | ``numpy`` (SyncConfig.host_kernels);
+- ``PPSYNC_DEVICE_KERNELS``: ``auto`` | ``triton`` | ``torch`` (SyncConfig.device_kernels);
+- ``PPSYNC_TIMEOUT_S``: seconds, > 0 and <= 86400: the bound on every wait
+  of the token path (unset: 60);
+- ``PPSYNC_EMULATE``: ``nccl`` | ``xccl``: the token group behaves as that
+  backend's (the CPU twin, ppsync.core.completion.twin): CPU only, refused
+  in a process that sees a CUDA or XPU device, and only with the device codec;
+- ``PPSYNC_DUMP_DIR``: where a failing rank writes its flight record
+  (ppsync.core.dumps); checked writable here;
+- ``PPSYNC_VLLM_ON_ERROR``: ``exit`` (unset) | ``raise``: what a worker
+  other than the last PP rank does when a handler call raises. vLLM's
+  executor reads a step's result, and so hears of an error, only from the
+  last PP rank's worker: an error raised on another rank is logged there and
+  the engine waits for ever. With ``exit`` that worker logs the error and
+  exits (status 70), so vLLM's executor sees a worker die and ends the
+  engine, and such a worker runs a watchdog for a receive pending past
+  the timeout while vLLM makes no call (ppsync.compat.vllm.watchdog);
+  ``raise`` leaves it as vLLM's own handler does.
+
+An empty value counts as unset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, cast
+
+import torch
+
+from ppsync.core.codec import check_frames
+from ppsync.core.completion import EMULATED, StreamOrdered
+from ppsync.core.device_kernels import resolve_device_kernels
+from ppsync.core.dumps import check_dump_dir
+from ppsync.core.host_kernels import resolve_host_kernels
+from ppsync.errors import ConfigError
+from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.dump import DUMP_DIR_ENV
+
+__all__ = ["ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS", "ENV_ON_ERROR",
+           "ENV_TIMEOUT",
+           "SETTINGS_ENV", "PluginSettings", "accelerator_here", "check_twin", "plugin_settings",
+           "settings_from_env"]
+
+ENV_CODEC = "PPSYNC_CODEC"
+ENV_HOST_KERNELS = "PPSYNC_HOST_KERNELS"
+ENV_DEVICE_KERNELS = "PPSYNC_DEVICE_KERNELS"
+ENV_TIMEOUT = "PPSYNC_TIMEOUT_S"
+ENV_EMULATE = "PPSYNC_EMULATE"
+ENV_ON_ERROR = "PPSYNC_VLLM_ON_ERROR"
+SETTINGS_ENV = (ENV_CODEC, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, ENV_TIMEOUT, ENV_EMULATE,
+                DUMP_DIR_ENV, ENV_ON_ERROR)
+"""Every variable this module reads."""
+MAX_TIMEOUT_S = 86400.0  # SyncConfig.timeout_s's own bound
+
+CODECS = ("host", "device")
+HOST_KERNELS = ("auto", "numba", "numpy")
+DEVICE_KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The handler's settings, as the operator's variables give them."""
+
+    codec: Literal["host", "device"] | None = None  # None: by the device (default_codec)
+    host_kernels: Literal["auto", "numba", "numpy"] = "auto"
+    device_kernels: Literal["auto", "triton", "torch"] = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin of that backend
+    dump_dir: Path | None = None
+    on_error: Literal["exit", "raise"] = "exit"  # a worker other than the last PP rank's
+
+    def describe(self) -> str:
+        """One line for the log: what the plugin's handlers are built with."""
+        return (f"codec {self.codec or 'by device'}, host kernels {self.host_kernels}, device "
+                f"kernels {self.device_kernels}, timeout {self.timeout_s:g} s, semantics "
+                f"{'twin of ' + self.emulate if self.emulate else 'the backend'}s, dumps "
+                f"{self.dump_dir or 'off'}, on an error off the last rank: {self.on_error}")
+
+
+def _one_of(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if value not in choices:
+        raise ConfigError(f"{name} = {value!r} must be one of {', '.join(choices)}")
+    return value
+
+
+def _timeout(env: Mapping[str, str]) -> float:
+    value = env.get(ENV_TIMEOUT, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise ConfigError(f"{ENV_TIMEOUT} = {value!r} must be a number of seconds > 0 and "
+                          f"<= {MAX_TIMEOUT_S:g}")
+    return seconds
+
+
+def accelerator_here() -> str | None:
+    """The accelerator this process sees ("cuda", "xpu"), or None."""
+    for kind in ("cuda", "xpu"):
+        mod = getattr(torch, kind, None)
+        if mod is not None and mod.is_available():
+            return kind
+    return None
+
+
+def settings_from_env(env: Mapping[str, str] | None = None,
+                      accelerator: Callable[[], str | None] = accelerator_here
+                      ) -> PluginSettings:
+    """The settings ``env`` (None: this process's environment) gives;
+    :class:`ConfigError` with one line naming the first bad variable, its
+    value and the rule. ``accelerator``: which accelerator this process sees
+    (PPSYNC_EMULATE is refused where there is one)."""
+    env = os.environ if env is None else env
+    codec = _one_of(env, ENV_CODEC, CODECS)
+    host_kernels = _one_of(env, ENV_HOST_KERNELS, HOST_KERNELS) or "auto"
+    device_kernels = _one_of(env, ENV_DEVICE_KERNELS, DEVICE_KERNELS) or "auto"
+    timeout_s = _timeout(env)
+    emulate = _one_of(env, ENV_EMULATE, EMULATED)
+    if emulate is not None:
+        if codec == "host":
+            raise ConfigError(f"{ENV_EMULATE} = {emulate!r} needs the device codec ({emulate} "
+                              f"carries device tensors only): {ENV_CODEC} = 'host'; set it to "
+                              "device or unset it")
+        seen = accelerator()
+        if seen is not None:
+            raise ConfigError(f"{ENV_EMULATE} = {emulate!r} runs the CPU twin of {emulate}, "
+                              f"CPU only: this process sees a {seen} device (there the real "
+                              "backend runs): unset it")
+        codec = "device"
+    _kernels_load(host_kernels, device_kernels, codec, accelerator)
+    on_error = _one_of(env, ENV_ON_ERROR, ("exit", "raise")) or "exit"
+    dump = env.get(DUMP_DIR_ENV, "").strip()
+    dump_dir = Path(dump) if dump else None
+    if dump_dir is not None:
+        check_dump_dir(dump_dir, DUMP_DIR_ENV)
+    return PluginSettings(
+        codec=cast(Literal["host", "device"] | None, codec),
+        host_kernels=cast(Literal["auto", "numba", "numpy"], host_kernels),
+        device_kernels=cast(Literal["auto", "triton", "torch"], device_kernels),
+        timeout_s=timeout_s, emulate=cast(Literal["nccl", "xccl"] | None, emulate),
+        dump_dir=dump_dir, on_error=cast(Literal["exit", "raise"], on_error))
+
+
+def _kernels_load(host: str, device: str, codec: str | None,
+                  accelerator: Callable[[], str | None]) -> None:
+    """A kernel set named outright must load here (as the CLI checks its
+    flags): ConfigError naming the variable, not a failure in the first
+    handler."""
+    config = SyncConfig(pp_size=1, max_num_reqs=1, host_kernels=host,  # type: ignore[arg-type]
+                        device_kernels=device)  # type: ignore[arg-type]
+    checks: list[tuple[str, str, Callable[[], str]]] = [
+        (ENV_HOST_KERNELS, host, lambda: resolve_host_kernels(config))]
+    if codec != "host":
+        seen = torch.device(accelerator() or "cpu")
+        checks.append((ENV_DEVICE_KERNELS, device,
+                       lambda: resolve_device_kernels(config, seen)))
+    for name, value, resolve in checks:
+        if value == "auto":
+            continue
+        try:
+            resolve()
+        except ConfigError as e:
+            raise ConfigError(f"{name} = {value!r}: {e}") from None
+
+
+def check_twin(config: SyncConfig, emulate: str, device: torch.device) -> None:
+    """ConfigError unless a handler on ``device`` with ``config`` can run
+    on the CPU twin of ``emulate`` (before any group is made)."""
+    if device.type != "cpu":
+        raise ConfigError(f"emulate = {emulate!r} runs the CPU twin on CPU tensors; device = "
+                          f"{device} (on a GPU the real backend runs)")
+    check_frames(config, StreamOrdered(emulate), f"gloo emulating {emulate}")
+
+
+_read: tuple[tuple[str, ...], PluginSettings] | None = None
+
+
+def plugin_settings() -> PluginSettings:
+    """This process's settings, read once (again only if a variable changed)."""
+    global _read
+    key = tuple(os.environ.get(name, "") for name in SETTINGS_ENV)
+    if _read is None or _read[0] != key:
+        _read = (key, settings_from_env())
+    return _read[1]
