@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 
 from ppsync.errors import Stopped
@@ -110,3 +111,38 @@ class StopGuard:
         """From now on a stop signal is only recorded: the children are being
         ended already."""
         self._held = True
+
+
+def session_processes(sid: int) -> list[tuple[int, str, str]]:
+    """(pid, state, name) of the live processes of session ``sid``, by pid
+    (Linux /proc; zombies, gone but for their parent's reaping, left out)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
+            out.append((int(entry.name), fields[0], name))
+    return sorted(out)
+
+
+def kill_session(sid: int, tries: int = 20) -> int:
+    """SIGKILL every process of session ``sid`` (its process group, then any
+    other process of the session by its id, a stopped one too) until none is
+    left, at most ``tries`` rounds 0.1 s apart; the number still alive."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGKILL)
+    for _ in range(tries):
+        pids = [pid for pid, _, _ in session_processes(sid)]
+        if not pids:
+            return 0
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    return len(session_processes(sid))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from ppsync.harness.lifetime import kill_session, session_processes
 from ppsync.harness.run import STALL_GRACE_S
 from ppsync.schemas.report import RunReport
 
@@ -196,3 +197,21 @@ def test_the_dumps_of_a_sigterm_stopped_launch_read_stopped(tmp_path: Path) -> N
         assert piped.stdout == ("{\n" if head == "head -1" else ""), piped.stdout
         assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, (
             piped.stderr)
+
+
+def test_a_session_is_listed_and_killed_whole_even_stopped() -> None:
+    """What vllm-check and sglang-check end their engine runs with."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(session_processes(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        members = session_processes(proc.pid)
+        assert [name for _, _, name in members].count("sleep") == 2, members
+        os.kill(members[-1][0], signal.SIGSTOP)
+        assert kill_session(proc.pid) == 0
+        proc.wait(5)
+        assert session_processes(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ppsync.harness.lifetime import kill_session, session_processes
 from ppsync.harness.sglang_check.engine import EVENT_PREFIX
 
 GUARD_ACTIVE = re.compile(r"ppsync: guard active on SGLang PP stage (\d+) of (\d+)")
@@ -120,32 +121,13 @@ def _signal_name(code: int | None) -> str:
 
 
 def session_pids(sid: int) -> list[int]:
-    """Live processes whose session id is ``sid`` (Linux /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
-            pids.append(int(entry.name))
-    return pids
+    """Live processes whose session id is ``sid``."""
+    return [pid for pid, _, _ in session_processes(sid)]
 
 
 def _kill_session(sid: int) -> int:
     """SIGKILL every process of session ``sid``; the number still alive after."""
-    for _ in range(20):
-        pids = session_pids(sid)
-        if not pids:
-            return 0
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-    return len(session_pids(sid))
+    return kill_session(sid)
 
 
 def _events(stdout: str) -> list[dict[str, Any]]:

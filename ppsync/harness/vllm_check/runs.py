@@ -10,16 +10,14 @@ own); a run that hangs, or dies, leaves them behind otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import IO
 
 from ppsync.compat.vllm.plugin import ENV_SWITCH
+from ppsync.harness import lifetime
 from ppsync.harness.vllm_check import worker_hooks
 from ppsync.harness.vllm_check.report import (
     RunResult,
@@ -37,30 +35,12 @@ LOG_TAIL = 40
 def session_processes(sid: int) -> list[str]:
     """The live processes of session ``sid`` ("pid state name"; zombies,
     which are gone but for their parent's reaping, left out)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            out.append(f"{entry.name} {state} {name}")
-    return sorted(out, key=lambda line: int(line.split()[0]))
+    return [f"{pid} {state} {name}" for pid, state, name in lifetime.session_processes(sid)]
 
 
 def kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (its process group, then
-    any other process of the session, by its id; a stopped one too)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(sid, signal.SIGKILL)
-    for line in session_processes(sid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+    """SIGKILL every process of session ``sid`` (a stopped one too)."""
+    lifetime.kill_session(sid)
 
 
 def run_bounded(cmd: list[str], env: dict[str, str], out: IO[str], cwd: Path,
