@@ -61,6 +61,17 @@ def long_kernel(dev: torch.device, seconds: float) -> None:
         torch.cuda._sleep(int(seconds * 2e9))  # type: ignore[no-untyped-call]
 
 
+def main_stream_work(dev: torch.device) -> None:
+    """Check d's engine work after the post, on the main stream only (the
+    pending receive is on others), synchronized so its end is timed."""
+    size = 1024 if dev.type == "cuda" else 128  # the CPU dry run: logic, not load
+    x = torch.randn(size, size, device=dev)
+    for _ in range(20):
+        x = torch.tanh(x @ x)
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
 def decode_view(n: int) -> BatchView:
     """``n`` decode rows in slots 0..n-1, each needing a sample."""
     return BatchView(
@@ -293,12 +304,7 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
             assert await rank.take() is None
             t0 = time.perf_counter()  # before post(): a post that blocks counts too
             await rank.post(view)
-            size = 1024 if dev.type == "cuda" else 128  # the CPU dry run: logic, not load
-            x = torch.randn(size, size, device=dev)
-            for _ in range(20):
-                x = torch.tanh(x @ x)
-            if dev.type == "cuda":  # the main stream only: the pending receive is on others
-                torch.cuda.current_stream(dev).synchronize()
+            main_stream_work(dev)
             result["main_s"] = time.perf_counter() - t0
             out = await rank.take()
             result["frame_s"] = time.perf_counter() - t0

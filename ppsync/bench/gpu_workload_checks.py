@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.gpu_steps import sync_guard_live, time_schemes, timing_verdict
-from ppsync.bench.gpu_stream_checks import decode_view, device_of, late_peer_async_rank
+from ppsync.bench.gpu_stream_checks import (
+    decode_view,
+    device_of,
+    late_peer_async_rank,
+    main_stream_work,
+)
 from ppsync.core.device_kernels import triton_error
 from ppsync.core.groups import token_group
 from ppsync.core.token_path import TokenPath
@@ -195,12 +200,7 @@ def late_peer_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     assert path.consume() is None
     t0 = time.perf_counter()
     path.post(view)
-    size = 1024 if dev.type == "cuda" else 128  # the CPU dry run: logic, not load
-    x = torch.randn(size, size, device=dev)
-    for _ in range(20):
-        x = torch.tanh(x @ x)
-    if dev.type == "cuda":  # the main stream only: the pending receive is on others
-        torch.cuda.current_stream(dev).synchronize()
+    main_stream_work(dev)
     main_s = time.perf_counter() - t0
     out = path.consume()
     frame_s = time.perf_counter() - t0
