@@ -11,6 +11,7 @@ lets the import succeed; calling them would still fail, which is what we want.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -33,10 +34,9 @@ class _DefineTorchvisionOps(importlib.abc.MetaPathFinder):
 
         library = torch.library.Library("torchvision", "FRAGMENT")
         for op in ("nms", "qnms"):
-            try:
+            # RuntimeError: already defined (a working torchvision build)
+            with contextlib.suppress(RuntimeError):
                 library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            except RuntimeError:  # already defined (a working torchvision build)
-                pass
         self.library = library
         return None
 
