@@ -1,14 +1,11 @@
 """The records one token path keeps between the calls of a step: the
-caller's names for its calls (and the errors and signatures that speak
-them), a receive posted and waiting in the ring, and a last-rank step that
-passed its checks."""
+caller's names for its calls (and the errors that speak them), a receive
+posted and waiting in the ring, and a last-rank step that passed its
+checks."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -33,23 +30,6 @@ class CallNames:
 
 TOKEN_PATH_NAMES = CallNames()
 """The token path's own names: consume(), post(), publish()."""
-
-
-R = TypeVar("R")
-S = TypeVar("S")
-P = ParamSpec("P")
-
-
-def takes_args_of(
-    of: Callable[Concatenate[Any, P], object],
-) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
-    """Type a method that forwards its arguments as taking those of ``of``
-    (a method too): one signature, written once, for the calls that pass
-    it on (publish: TokenPath.prepare's, through the services)."""
-    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
-        method.__signature__ = inspect.signature(of)  # type: ignore[attr-defined]
-        return method
-    return typed
 
 
 def role_error(op: str, *, rank: int, pp_size: int, last: bool) -> RoleError:

@@ -21,7 +21,6 @@ recorder), and what depends on the codec in the codec object.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from ppsync.core.codec import StepDrafts
 from ppsync.core.dumps import records_errors
 from ppsync.core.path_base import PathBase
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep, PreparedStep, takes_args_of
+from ppsync.core.steps import PendingStep, PreparedStep
 from ppsync.errors import BatchError, ProtocolError
 
 
@@ -96,12 +95,22 @@ class TokenPath(PathBase):
         self._issued(work)
         return needed
 
-    @takes_args_of(prepare)
-    def publish(self, *args: Any, **kwargs: Any) -> int:
+    def publish(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        draft_tokens: torch.Tensor | None = None,
+        *,
+        sample_width: int | None = None,
+    ) -> int:
         """Check and broadcast one step (last rank): :meth:`prepare` then
         :meth:`send`. Returns the rows needing a sample; 0 means the step had
         no transfer on any rank."""
-        return self.send(*self.prepare(*args, **kwargs))
+        return self.send(*self.prepare(
+            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
+            sample_width=sample_width))
 
     # -- receivers --------------------------------------------------------
 

@@ -16,8 +16,6 @@ One task per rank calls a service's methods, in the engine order of
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import anyio.lowlevel
 import torch
@@ -26,7 +24,7 @@ from anyio.abc import TaskStatus
 from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import role_error, takes_args_of
+from ppsync.core.steps import role_error
 from ppsync.core.token_path import TokenPath
 from ppsync.schemas.records import StepRecord
 from ppsync.services.completion import await_path_work
@@ -89,8 +87,16 @@ class BroadcastService(_Service):
     def __init__(self, path: TokenPath) -> None:
         super().__init__(path, last=True)
 
-    @takes_args_of(TokenPath.prepare)
-    async def publish(self, *args: Any, **kwargs: Any) -> int:
+    async def publish(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        draft_tokens: torch.Tensor | None = None,
+        *,
+        sample_width: int | None = None,
+    ) -> int:
         """Broadcast one step (the arguments of TokenPath.prepare); return
         once its frame is issued. Returns the rows needing a sample (0: no
         transfer on any rank this step).
@@ -100,7 +106,9 @@ class BroadcastService(_Service):
         After the issue nothing awaits an incomplete transfer, so the call
         completes."""
         await anyio.lowlevel.checkpoint()  # a step without a wait still yields
-        step, drafts = self.path.prepare(*args, **kwargs)
+        step, drafts = self.path.prepare(
+            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
+            sample_width=sample_width)
         await self._before_issue()
         needed = self.path.send(step, drafts)
         self._record(step.view, needed, drafts is not None)

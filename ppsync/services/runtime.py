@@ -29,7 +29,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import anyio
 import torch
@@ -39,7 +39,7 @@ from ppsync.core.batch import BatchView
 from ppsync.core.dumps import dumps_pending
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import CallNames, takes_args_of
+from ppsync.core.steps import CallNames
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
@@ -74,10 +74,20 @@ class Rank:
         """Write this rank's flight record; see :meth:`TokenPath.dump`."""
         return self.path.dump(path)
 
-    @takes_args_of(TokenPath.prepare)
-    async def publish(self, *args: Any, **kwargs: Any) -> int:
+    async def publish(
+        self,
+        view: BatchView,
+        sampled_token_ids: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        draft_tokens: torch.Tensor | None = None,
+        *,
+        sample_width: int | None = None,
+    ) -> int:
         """Last rank: see :meth:`BroadcastService.publish`."""
-        return await self._service_for("publish", BroadcastService).publish(*args, **kwargs)
+        return await self._service_for("publish", BroadcastService).publish(
+            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
+            sample_width=sample_width)
 
     async def post(self, view: BatchView) -> int:
         """Non-last ranks: see :meth:`ReceiveService.post`."""
