@@ -23,8 +23,12 @@ from ppsync.schemas.config import SyncConfig
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
            "exact_wire", "device_codec", "device_kernels")
-DEVICE_KERNELS = ("none", "torch", "triton")
-"""The ``device_kernels`` word: the device codec's kernel set (none: host codec)."""
+KERNEL_SET_CODES = {"none": 0, "torch": 1, "triton": 2}
+"""The ``device_kernels`` word: the device codec's kernel set by its code
+(none: host codec). A code, once given, is never reused nor renumbered: a
+rank of another ppsync release must read it as the same set; a new kernel
+set takes the next free code."""
+_KERNEL_SET_NAMES = {code: name for name, code in KERNEL_SET_CODES.items()}
 
 
 def config_words(config: SyncConfig, device_kernels: str = "none") -> list[int]:
@@ -32,7 +36,7 @@ def config_words(config: SyncConfig, device_kernels: str = "none") -> list[int]:
     ``device_kernels``: the kernel set this rank's device codec chose."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
             config.num_speculative_steps, config.depth, int(config.wire == "exact"),
-            int(frames_on_device(config.codec)), DEVICE_KERNELS.index(device_kernels)]
+            int(frames_on_device(config.codec)), KERNEL_SET_CODES[device_kernels]]
 
 
 class Handshake:
@@ -102,6 +106,6 @@ def never_arrived(err: SyncTimeout, board: FailureBoard | None) -> SyncTimeout:
 
 def _word(field: str, value: int) -> str:
     """A handshake word as a message shows it (the kernel set by name)."""
-    if field == "device_kernels" and 0 <= value < len(DEVICE_KERNELS):
-        return DEVICE_KERNELS[value]
+    if field == "device_kernels" and value in _KERNEL_SET_NAMES:
+        return _KERNEL_SET_NAMES[value]
     return str(value)
