@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 import ppsync
@@ -192,7 +193,7 @@ def test_every_publish_takes_the_arguments_of_prepare() -> None:
     from ppsync.core import TokenPath
     from ppsync.services import BroadcastService, Rank
 
-    def params(f: object) -> list[tuple[str, object, object]]:
+    def params(f: Callable[..., object]) -> list[tuple[str, object, object]]:
         ps = list(inspect.signature(f).parameters.values())[1:]  # self
         return [(p.name, p.kind, p.default) for p in ps]
 

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ppsync.core.dumps import write_dump
+from ppsync.core.dump_snapshot import write_dump
 from ppsync.core.recorder import FlightRecorder
 from ppsync.debug.load import load
 from ppsync.schemas.config import SyncConfig

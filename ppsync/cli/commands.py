@@ -27,7 +27,8 @@ from pydantic import BaseModel
 from ppsync.core.codec import check_frames
 from ppsync.core.completion import StreamOrdered
 from ppsync.core.device_kernels import resolve_device_kernels
-from ppsync.core.dumps import check_dump_dir, dump_all, install_dump_triggers
+from ppsync.core.dump_registry import check_dump_dir
+from ppsync.core.dump_triggers import dump_all, install_dump_triggers
 from ppsync.core.groups import pipeline_layout
 from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.debug.cli import dump_files, point_at_dumps

@@ -11,7 +11,8 @@ from ppsync.core.aux_relay import AuxRelay
 from ppsync.core.batch import BatchView, batch_view_of, validate_batch
 from ppsync.core.batch.mask import need_sampled_mask
 from ppsync.core.codec import StepCodec
-from ppsync.core.dumps import dump_all, install_dump_triggers, set_world
+from ppsync.core.dump_registry import set_world
+from ppsync.core.dump_triggers import dump_all, install_dump_triggers
 from ppsync.core.frame import FrameView
 from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.core.frame.host_frames import HostFrames

@@ -1,6 +1,6 @@
 """The writer threads of error dumps: a token path driven by an event loop
 (``dump_inline`` False) never writes its dump on the loop's thread, but
-hands it over here (ppsync.core.dumps.dump_on_error). The process's exit,
+hands it over here (ppsync.core.dump_on_error.dump_on_error). The process's exit,
 and ``open_rank`` before an error leaves it, wait for them."""
 
 from __future__ import annotations

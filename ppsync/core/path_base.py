@@ -38,7 +38,9 @@ from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.codec import StepCodec, codec_for
 from ppsync.core.completion import Completion, completion_for
 from ppsync.core.completion.base import aborted_error
-from ppsync.core.dumps import dump_file, dump_on_error, records_errors, register, write_dump
+from ppsync.core.dump_on_error import dump_on_error, records_errors
+from ppsync.core.dump_registry import dump_file, register
+from ppsync.core.dump_snapshot import write_dump
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.generations import GenerationTable
 from ppsync.core.groups import group_facts
@@ -146,7 +148,7 @@ class PathBase:
         self.dump_inline = True
         """Write an error's dump in the failing call (True), or hand it to
         the dump writer thread (False: an event loop's thread never writes
-        one; ppsync.core.dumps.flush_dumps waits for it)."""
+        one; ppsync.core.dump_writer.flush_dumps waits for it)."""
         register(self)
 
     def finish_handshake(self) -> None:
@@ -392,5 +394,5 @@ class PathBase:
     def dump(self, path: str | Path | None = None) -> Path:
         """Write this path's flight record as JSON Lines (ppsync.schemas.dump)
         to ``path``, or with None to its file in the dump directory (see
-        ppsync.core.dumps; ConfigError when none is set). Returns the file."""
+        ppsync.core.dump_registry; ConfigError when none is set). Returns the file."""
         return write_dump(self, dump_file(self, path), reason="request")

@@ -27,7 +27,7 @@ import torch
 from ppsync.core.batch import BatchView
 from ppsync.core.checks import check_draft_target, check_sample_width
 from ppsync.core.codec import StepDrafts
-from ppsync.core.dumps import records_errors
+from ppsync.core.dump_on_error import records_errors
 from ppsync.core.path_base import PathBase
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import PendingStep, PreparedStep

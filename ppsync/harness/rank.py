@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ppsync.core.codec import frames_on_device
 from ppsync.core.completion import STATS, completion_for, emulate
-from ppsync.core.dumps import set_world
+from ppsync.core.dump_registry import set_world
 from ppsync.core.groups import group_facts, pipeline_layout, token_groups
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for

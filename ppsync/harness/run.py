@@ -48,7 +48,7 @@ def run_local(
     (:func:`~ppsync.harness.rank.run_rank`), ``steps`` steps of the workload
     through the synchronous token path (``backend`` None) or the anyio services
     on ``backend``, and report. ``dump_dir``: the ranks dump their flight
-    records there (ppsync.core.dumps). ``emulate``: "nccl" makes the token
+    records there (ppsync.core.dump_on_error). ``emulate``: "nccl" makes the token
     groups behave as NCCL's (ppsync.core.completion.twin).
 
     No bound is put on the whole run: a rank that completes no step for

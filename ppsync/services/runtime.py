@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
-from ppsync.core.dumps import dumps_pending
+from ppsync.core.dump_writer import dumps_pending
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.released import ReleasedStep
 from ppsync.core.steps import CallNames

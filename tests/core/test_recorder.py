@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from ppsync.core.dumps import dump_file
+from ppsync.core.dump_registry import dump_file
 from ppsync.core.frame import FrameView
 from ppsync.core.recorder import FIELDS, FlightRecorder, clock_pair
 from ppsync.errors import ConfigError, PeerLost, SyncTimeout

@@ -8,9 +8,9 @@ messages of each kind it sends and receives (:meth:`SglangGuard.stamp`,
 failure into the board's verdict (ppsync.core.liveness): the same error
 type on every stage for one cause, naming the culprit as SGLang's PP stage
 and global rank. The error is recorded in the guard's flight recorder and
-dumped (ppsync.core.dumps) where ``PPSYNC_DUMP_DIR`` is set.
+dumped (ppsync.core.dump_on_error) where ``PPSYNC_DUMP_DIR`` is set.
 
-The guard is a :class:`ppsync.core.dumps.Dumpable`: a dump shows each
+The guard is a :class:`ppsync.core.dump_registry.Dumpable`: a dump shows each
 message as an event (``publish``: sent, ``post``: received; ``step``: the
 message's number on its channel; ``num_reqs``: its batch size).
 """
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ppsync.compat.sglang.digest import KINDS, Batch, StepView, check_views, view_of
-from ppsync.core import dumps
+from ppsync.core.dump_on_error import dump_on_error
+from ppsync.core.dump_registry import register
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.recorder import FlightRecorder
 from ppsync.core.transport import wait_work
@@ -121,9 +122,9 @@ class SglangGuard:
         self._received = [0] * len(KINDS)
         self._failure: PPSyncError | None = None
         self._peer: int | None = None  # the global rank of the transfer waited on last
-        dumps.register(self)
+        register(self)
 
-    # -- what a dump reads (ppsync.core.dumps.Dumpable) -----------------------
+    # -- what a dump reads (ppsync.core.dump_registry.Dumpable) -----------------------
 
     @property
     def global_rank(self) -> int:
@@ -226,7 +227,7 @@ class SglangGuard:
             deadline = time.monotonic() + self.board.grace_s
             while self.board.missing() and time.monotonic() < deadline:
                 time.sleep(0.05)
-        dumps.dump_on_error(self, named)
+        dump_on_error(self, named)
         print(f"ppsync: SGLang PP stage {self.stage} (global rank {self.global_rank_}): "
               f"{type(named).__name__}: {named}", file=sys.stderr, flush=True)
         return named

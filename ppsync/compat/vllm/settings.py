@@ -20,7 +20,7 @@ which a test does; vLLM does not).
   backend's (the CPU twin, ppsync.core.completion.twin): CPU only, refused
   in a process that sees a CUDA or XPU device, and only with the device codec;
 - ``PPSYNC_DUMP_DIR``: where a failing rank writes its flight record
-  (ppsync.core.dumps); checked writable here;
+  (ppsync.core.dump_registry); checked writable here;
 - ``PPSYNC_VLLM_ON_ERROR``: ``exit`` (unset) | ``raise``: what a worker
   other than the last PP rank does when a handler call raises. vLLM's
   executor reads a step's result, and so hears of an error, only from the
@@ -48,7 +48,7 @@ import torch
 from ppsync.core.codec import check_frames
 from ppsync.core.completion import EMULATED, StreamOrdered
 from ppsync.core.device_kernels import resolve_device_kernels
-from ppsync.core.dumps import check_dump_dir
+from ppsync.core.dump_registry import check_dump_dir
 from ppsync.core.host_kernels import resolve_host_kernels
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
