@@ -13,30 +13,91 @@ Per engine step, on every rank and in this order:
 
 Every input is checked before any collective is issued, so a bad call on one
 rank raises there and leaves the group usable. Every wait is bounded by
-``config.timeout_s``. What both roles share, and the contract an event loop
-relies on, is in ppsync.core.path_base; each rule applied lives in its own
-module (mask, ring, generations, checks, transport, liveness, waits,
-recorder), and what depends on the codec in the codec object.
+``config.timeout_s``. Each rule applied lives in its own module (mask, ring,
+generations, checks, transport, the failure board, waits, failures,
+recorder), and what depends on the codec in the codec object, chosen once:
+no branch here asks which codec it has. What both roles share (the group,
+its transfers, waits, failures and close) is the base class,
+:class:`~ppsync.core.group_end.GroupEnd`.
+
+The async contract (ppsync.services; trio's memory channels are the model:
+a synchronous ``*_nowait`` core and a thin async wrapper): every call of a
+token path is synchronous and waits only where its docstring says; an event
+loop never lets it block, by awaiting first, by notification, the works it
+would wait on, which these name:
+
+- :meth:`TokenPath.handshake_work`: the start-up handshake's collective, to
+  await before :meth:`TokenPath.finish_handshake` (with ``wait_handshake``
+  False);
+- :meth:`TokenPath.works_before_issue`: what the next send or consume would
+  wait on (the oldest transfers beyond the ring's depth);
+- :meth:`TokenPath.work_before_consume`: the receive the next consume waits on;
+- :meth:`TokenPath.last_issued`: (seq, work) of the collective the last call
+  issued, for a watcher to see complete; :attr:`TokenPath.last_step`: that
+  call's 0-based step number.
 """
 from __future__ import annotations
 
 import time
+from typing import Literal
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from ppsync.core.batch import BatchView
+from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.checks import check_draft_target, check_sample_width
 from ppsync.core.codec import StepDrafts
 from ppsync.core.dump_on_error import records_errors
-from ppsync.core.path_base import PathBase
+from ppsync.core.frame.layout import FrameView
+from ppsync.core.generations import GenerationTable
+from ppsync.core.group_end import GroupEnd
+from ppsync.core.liveness import FailureBoard
+from ppsync.core.platform import Platform
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep, PreparedStep
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, PreparedStep
 from ppsync.errors import BatchError, ProtocolError
+from ppsync.schemas.config import SyncConfig
 
 
-class TokenPath(PathBase):
+class TokenPath(GroupEnd):
     """One rank's synchronous token path over ``group`` (the dedicated token
     group: same ranks as the PP group, last group rank samples)."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        group: dist.ProcessGroup,
+        *,
+        board: FailureBoard | Literal["group"] | None = "group",
+        names: CallNames = TOKEN_PATH_NAMES,
+        wait_handshake: bool = True,
+        device: torch.device | str | None = None,
+        platform: str | Platform | None = None,
+    ) -> None:
+        """See :class:`~ppsync.core.group_end.GroupEnd` for every argument."""
+        super().__init__(config, group, board=board, names=names,
+                         wait_handshake=wait_handshake, device=device, platform=platform)
+        self.generations = GenerationTable(config.max_num_reqs)
+        self._tail_open = False  # receivers: consume() reserved a tail not yet posted
+
+    # -- the async contract (see the module docstring), past GroupEnd's ----
+
+    def work_before_consume(self) -> dist.Work | None:
+        """The work the next :meth:`consume` will wait on, or None when it will
+        not wait (an empty slot, or every row excluded)."""
+        if self.is_last or self._closed:
+            return None
+        head = self.ring.head()
+        if head is None or self._keep(head)[1] == 0:
+            return None
+        return head.work
+
+    @property
+    def last_step(self) -> int:
+        """The 0-based number of the last post/publish call; -1 before one."""
+        return self.steps - 1
 
     # -- last rank --------------------------------------------------------
 
@@ -195,3 +256,32 @@ class TokenPath(PathBase):
         self.recorder.consume(head.frame, self.steps, self.ring.advanced, keep, kept,
                               wait_from_ns)
         return released
+
+    @records_errors
+    def free(self, req_idx: int) -> None:
+        """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
+        self._check_open()
+        self.generations.bump(req_idx)
+        self.recorder.free(self.steps, req_idx, self.generations.generation(req_idx))
+
+    # -- what the roles' calls share --------------------------------------
+
+    def _batch_facts(self, view: BatchView) -> BatchFacts:
+        """The batch's checked facts, need mask and digest, as copies."""
+        return self.codec.kernels.facts(view)
+
+    def _frame_view(self, facts: BatchFacts, sample_width: int | None) -> FrameView:
+        """This rank's view of the frame it issues next."""
+        return FrameView(self.seq, facts.need.shape[0], facts.digest, facts.slot_need,
+                         facts.computed, sample_width, facts.row_facts)
+
+    def _keep(self, head: PendingStep) -> tuple[np.ndarray, int]:
+        """([num_reqs] bool, their count): rows that needed a sample and whose
+        slot was not freed since the receive was posted (the usual step, with
+        no slot freed since: the need mask itself)."""
+        unchanged = self.generations.unchanged_since(head.idx_np, head.freed_mark)
+        if unchanged is None:
+            return head.need_np, head.needed
+        keep: np.ndarray = head.need_np & unchanged
+        return keep, int(np.count_nonzero(keep))
+

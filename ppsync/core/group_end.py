@@ -1,22 +1,10 @@
-"""What both roles of a token path share: the group, the codec, the ring,
-the in-flight works and their waits, the recorder; and the async contract.
-
-:class:`~ppsync.core.token_path.TokenPath` adds the roles' calls on top.
-The async contract (ppsync.services; trio's memory channels are the model:
-a synchronous ``*_nowait`` core and a thin async wrapper): every call of a
-token path is synchronous and waits only where its docstring says; an event
-loop never lets it block, by awaiting first, by notification, the works it
-would wait on, which these name:
-
-- :meth:`PathBase.handshake_work`: the start-up handshake's collective, to
-  await before :meth:`PathBase.finish_handshake` (with ``wait_handshake``
-  False);
-- :meth:`PathBase.works_before_issue`: what the next send or consume would
-  wait on (the oldest transfers beyond the ring's depth);
-- :meth:`PathBase.work_before_consume`: the receive the next consume waits on;
-- :meth:`PathBase.last_issued`: (seq, work) of the collective the last call
-  issued, for a watcher to see complete; :attr:`PathBase.last_step`: that
-  call's 0-based step number.
+"""One rank's end of a token group: who is who in it, what its works mean
+(the completion semantics), how its frames are issued and packed (the
+transport and the codec), the start-up handshake, the transfers in flight
+(the ring of posted receives, the sends held until they end) and every
+bounded wait on them, its failures, its flight recorder, and its close. It
+knows no step protocol: :class:`~ppsync.core.token_path.TokenPath` adds the
+need mask, the generations and the roles' calls on top.
 
 Everything that depends on the codec is in the codec object
 (ppsync.core.codec.base), chosen once: no branch here or in TokenPath asks
@@ -29,22 +17,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
-from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.codec import StepCodec, codec_for
 from ppsync.core.completion import Completion, completion_for
 from ppsync.core.completion.base import aborted_error
-from ppsync.core.dump_on_error import dump_on_error, records_errors
+from ppsync.core.dump_on_error import dump_on_error
 from ppsync.core.dump_registry import dump_file, register
 from ppsync.core.dump_snapshot import write_dump
-from ppsync.core.frame.layout import FrameView
-from ppsync.core.generations import GenerationTable
+from ppsync.core.failures import PathFailures
 from ppsync.core.groups import group_facts
-from ppsync.core.handshake import Handshake, never_arrived
+from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
@@ -52,12 +36,11 @@ from ppsync.core.ring import SlotRing
 from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, role_error
 from ppsync.core.teardown import keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock
-from ppsync.core.waits import InFlight, Waits, named_failure
+from ppsync.core.waits import InFlight, Waits
 from ppsync.errors import (
     BatchError,
     ConfigError,
     DesyncError,
-    PeerLost,
     PPSyncError,
     ProtocolError,
     SyncTimeout,
@@ -67,9 +50,9 @@ from ppsync.schemas.config import SyncConfig
 T = TypeVar("T")
 
 
-class PathBase:
-    """One rank's token path over ``group`` (the dedicated token group: same
-    ranks as the PP group, last group rank samples), less the roles' calls."""
+class GroupEnd:
+    """One rank's end of the token group ``group`` (the dedicated token
+    group: same ranks as the PP group, last group rank samples)."""
 
     def __init__(
         self,
@@ -126,21 +109,21 @@ class PathBase:
         """Issued at once; finished here, or by the caller (``wait_handshake``
         False: an event loop awaits :meth:`handshake_work`, then calls
         finish_handshake)."""
+        self.failures = PathFailures(group, rank=rank, board=self.board,
+                                     completion=self.completion)
+        """Names, aborts and tells this path's failures (ppsync.core.failures)."""
         self.run_id = 0
         """Agreed by every rank at the handshake; scopes the failure board."""
         if wait_handshake:
             self.finish_handshake()
-        self.generations = GenerationTable(config.max_num_reqs)
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
         self.seq = 0  # frames issued on this group so far
-        self.steps = 0  # post/publish calls so far
-        self._tail_open = False  # receivers: consume() reserved a tail not yet posted
+        self.steps = 0  # post/publish calls so far (the subclass's steps)
         self._inflight = InFlight(config.depth)
         self._waits = Waits(self.rank, config.timeout_s, self.board,
                             lambda err, observed: self.failed(err, observed=observed),
                             self.completion)
         self._closed = False
-        self._abort_raised: PPSyncError | None = None  # what this path raised for its abort
         self._last_issued: tuple[int, dist.Work] | None = None
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
@@ -160,20 +143,10 @@ class PathBase:
         try:
             self.run_id = self.handshake.finish()
         except SyncTimeout as e:
-            raise self.handshake_error(e) from None
+            raise self.failures.handshake(e) from None
         self.handshake = None
         if self.board is not None:
             self.board.bind_run(self.run_id)
-
-    def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
-        """The start-up handshake did not complete within timeout_s: the
-        error naming the ranks that never reached it (from the board), the
-        group aborted where that is how its pending transfer ends (the
-        communicator's first use must not spin, nor meet NCCL's watchdog)."""
-        err = never_arrived(err, self.board)
-        self._abort(err)
-        keep_until_exit(self.group)
-        return err
 
     @property
     def clock(self) -> TransportClock | None:
@@ -196,7 +169,7 @@ class PathBase:
             self.completion.issued(work, f"rank {self.rank}: {what} of frame {self.seq}")
         return work
 
-    # -- the async contract (see the module docstring) -------------------
+    # -- the async contract (ppsync.core.token_path) -----------------------
 
     def handshake_work(self) -> dist.Work | None:
         """The handshake's collective while :meth:`finish_handshake` is due."""
@@ -208,42 +181,18 @@ class PathBase:
         call never blocks."""
         return self._inflight.before_issue()
 
-    def work_before_consume(self) -> dist.Work | None:
-        """The work the next :meth:`consume` will wait on, or None when it will
-        not wait (an empty slot, or every row excluded)."""
-        if self.is_last or self._closed:
-            return None
-        head = self.ring.head()
-        if head is None or self._keep(head)[1] == 0:
-            return None
-        return head.work
-
     def last_issued(self) -> tuple[int, dist.Work] | None:
         """(seq, work) of the most recent collective issued; None before one."""
         return self._last_issued
-
-    @property
-    def last_step(self) -> int:
-        """The 0-based number of the last post/publish call; -1 before one."""
-        return self.steps - 1
-
-    # -- shared ---------------------------------------------------------
-
-    @records_errors
-    def free(self, req_idx: int) -> None:
-        """Request slot ``req_idx`` was freed (finish, abort, preemption)."""
-        self._check_open()
-        self.generations.bump(req_idx)
-        self.recorder.free(self.steps, req_idx, self.generations.generation(req_idx))
 
     def _check_open(self) -> None:
         if self._closed:
             raise ProtocolError(f"rank {self.rank}: token path used after close()")
         cause = self.completion.cause
         if cause is not None:  # an aborted group: nothing of it is used again
-            if self._abort_raised is None:  # aborted off this thread (the deadline guard)
+            if self.failures.raised is None:  # aborted off this thread (the deadline guard)
                 raise self.failed(cause)
-            raise aborted_error(self._abort_raised, f"rank {self.rank}: token path used")
+            raise aborted_error(self.failures.raised, f"rank {self.rank}: token path used")
         if self.handshake is not None:
             raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
                                 "handshake finished (finish_handshake())")
@@ -267,36 +216,26 @@ class PathBase:
         self, err: PPSyncError, *, settle: bool = True, observed: bool = True,
         dump: bool = True,
     ) -> PPSyncError:
-        """The error to raise for ``err``: the same type on every rank for one
-        cause, naming the culprit where the board knows it (see
-        ppsync.core.waits.named_failure); ``err`` itself without a board.
-        With ``dump`` the error is recorded and, with a dump directory,
-        dumped; a note on it names the file (False: a caller that asks
-        again once the others posted, and dumps that answer only)."""
-        told = self._abort_raised
-        if told is not None and self.board is None:
-            named = told  # a wait this path's own abort ended: the error that made it
-        else:
-            # after this path's abort its other waits end with the abort's
-            # cause: that is no observation of a peer, the board's verdict stands
-            named = named_failure(err, self.board, rank=self.rank, settle=settle,
-                                  observed=observed and told is None)
-        if told is None and self.completion.stream_ordered and (
-                self.completion.cause is not None or isinstance(named, (SyncTimeout, PeerLost))):
-            # stream-ordered: a transfer that will not end would hold the
-            # side stream (and NCCL's kernel) forever
-            self._abort(named)
-            self._abort_raised = named
+        """The error to raise for ``err`` (:meth:`PathFailures.named
+        <ppsync.core.failures.PathFailures.named>`). With ``dump`` the error
+        is recorded and, with a dump directory, dumped; a note on it names
+        the file (False: a caller that asks again once the others posted,
+        and dumps that answer only)."""
+        named = self.failures.named(err, settle=settle, observed=observed)
         if dump:
             dump_on_error(self, named)
         return named
 
+    def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
+        """The start-up handshake's timeout as raised (an event loop's
+        wait): see :meth:`PathFailures.handshake
+        <ppsync.core.failures.PathFailures.handshake>`."""
+        return self.failures.handshake(err)
+
     def leave(self, reason: str) -> None:
-        """Tell the peers (on the board) that this rank left its token path
-        mid-run, e.g. its engine raised: their waits end at their next board
-        check, naming this rank, instead of at their timeout."""
-        if self.board is not None and not self.board.has_posted:
-            self.board.post("Left", reason)
+        """Tell the peers that this rank left mid-run (:meth:`PathFailures.leave
+        <ppsync.core.failures.PathFailures.leave>`)."""
+        self.failures.leave(reason)
 
     def _checked(self, call: Callable[..., T], *args: object) -> T:
         """``call()``, with a frame check's error raised as the path's own:
@@ -311,32 +250,9 @@ class PathBase:
             dump_on_error(self, e)
             raise
 
-    # -- what the roles' calls share --------------------------------------
-
-    def _batch_facts(self, view: BatchView) -> BatchFacts:
-        """The batch's checked facts, need mask and digest, as copies."""
-        return self.codec.kernels.facts(view)
-
-    def _frame_view(self, facts: BatchFacts, sample_width: int | None) -> FrameView:
-        """This rank's view of the frame it issues next."""
-        row_facts = facts.row_facts
-        return FrameView(self.seq, facts.need.shape[0],
-                         facts.digest, facts.slot_need,
-                         facts.computed, sample_width, row_facts)
-
     def _issued(self, work: dist.Work) -> None:
         self._last_issued = (self.seq, work)
         self.seq += 1
-
-    def _keep(self, head: PendingStep) -> tuple[np.ndarray, int]:
-        """([num_reqs] bool, their count): rows that needed a sample and whose
-        slot was not freed since the receive was posted (the usual step, with
-        no slot freed since: the need mask itself)."""
-        unchanged = self.generations.unchanged_since(head.idx_np, head.freed_mark)
-        if unchanged is None:
-            return head.need_np, head.needed
-        keep: np.ndarray = head.need_np & unchanged
-        return keep, int(np.count_nonzero(keep))
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -368,8 +284,8 @@ class PathBase:
             self._inflight.clear()
             self._closed = True
             if abandoned:  # stream-ordered: no stream waits on them forever
-                self._abort(ProtocolError(f"rank {self.rank}: the token path was closed with "
-                                          "transfers in flight"))
+                self.failures.abort(ProtocolError(
+                    f"rank {self.rank}: the token path was closed with transfers in flight"))
             if abandoned or self.completion.cause is not None:
                 # works that an abort ended may still be pending underneath
                 # (the CPU twin's gloo): the group is never destroyed
@@ -378,14 +294,6 @@ class PathBase:
             self.completion.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
-
-    def _abort(self, cause: PPSyncError) -> None:
-        """Stream-ordered: fail every work of the group with ``cause`` and
-        end the backend's pending transfers (returns at once; see
-        ppsync.core.completion.base). gloo ends its works at the group's
-        timeout: nothing to abort, and a later failure is its own."""
-        if self.completion.stream_ordered:
-            self.completion.abort(self.group, cause)
 
     @property
     def closed(self) -> bool:
