@@ -3,9 +3,10 @@ Triton does not (CPU tensors, a device without Triton).
 
 Lean by construction: the staged host facts arrive in one copy
 (ppsync.core.frame.layout.Staging), the rows are written by one ``cat`` of
-their pieces in the layout's column order (its Columns), the checksum is one product and one sum over the frame's
-used prefix, the value checks are one clamp against the staged bounds, and
-a release writes into the codec's tensors instead of making fresh ones.
+their pieces in the layout's column order (its Columns), the checksum is
+one product and one sum over the frame's used prefix, the value checks
+are one clamp against the staged bounds, and a release writes into the
+codec's tensors instead of making fresh ones.
 """
 
 from __future__ import annotations
