@@ -145,6 +145,7 @@ class Columns:
     """slot_need and num_computed, adjacent: one [n, 2] block, as Staging holds them."""
 
 
+# the columns Columns names (its annotations are strings here: __future__)
 _NAMED = frozenset(f.name for f in fields(Columns) if f.type == "Column")
 
 
