@@ -2,10 +2,11 @@
 Triton does not (CPU tensors, a device without Triton).
 
 Lean by construction: the staged host facts arrive in one copy
-(ppsync.core.frame.layout.Staging), each row is written by a few wide copies
-into the frame, the checksum is one product and one sum over the frame's
-used prefix, the value checks are one clamp against the staged bounds, and
-a release writes into the codec's tensors instead of making fresh ones.
+(ppsync.core.frame.layout.Staging), the rows are written by one ``cat`` of
+their pieces in the layout's column order (its Columns), the checksum is
+one product and one sum over the frame's used prefix, the value checks
+are one clamp against the staged bounds, and a release writes into the
+codec's tensors instead of making fresh ones.
 """
 
 from __future__ import annotations
@@ -27,11 +28,16 @@ from ppsync.core.frame.layout import (
     FLAG_BAD_VALUES,
     FLAG_HAS_DRAFTS,
     HEADER_WORDS,
+    Column,
     Header,
     Staging,
 )
 
 _H_FLAGS, _H_CSUM = int(Header.FLAGS), int(Header.CHECKSUM)
+
+Piece = str | torch.Tensor
+"""A piece of the row as pack writes it: a source's name, or a spare
+column's zeros ([R, width])."""
 
 
 class TorchKernels:
@@ -46,6 +52,19 @@ class TorchKernels:
         self.frame_w = frames.frame_w
         self.L, self.K, self.W = lay.sample_width, lay.num_drafts, lay.row_width
         self.staging = lay.staging
+        cols = lay.columns
+        self._tok = cols.tokens.offset
+        self._counts, self._facts_at = cols.counts, cols.facts  # [n, 2] each
+        self._drafts_at = slice(cols.drafts.offset, cols.drafts.end)
+        # the row's pieces in column order: tokens (then their -1 padding),
+        # the counts and the facts as [n, 2] blocks, drafts, spare zeros
+        pieces: list[tuple[Column, Piece]] = [
+            (cols.tokens, "tokens"), (cols.num_sampled, "counts"), (cols.drafts, "drafts"),
+            (cols.slot_need, "facts"),
+            *((c, torch.zeros((lay.max_num_reqs, c.width), dtype=torch.int64, device=dev))
+              for c in cols.spare)]
+        self._plan = [piece for col, piece in sorted(pieces, key=lambda p: p[0].offset)
+                      if col.width]
         # built once: what the checks compare with and weigh by
         self._value_bits = torch.tensor([V_NUM_SAMPLED, V_NUM_REJECTED], device=dev)
         self._zeros = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -85,15 +104,19 @@ class TorchKernels:
              drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
         L, K, w = self.L, self.K, tokens.shape[1]
         rows = self.layout.device_rows(buf, n)
-        # every column of the rows in one write: [tokens | -1 | counts | drafts | facts]
-        parts = [tokens]
-        if w < L:
-            parts.append(self._neg1[:n, : L - w])
         counts = torch.stack((num_sampled, num_rejected), 1)
-        parts.append(counts)
+        source = {"tokens": tokens, "counts": counts, "facts": self._facts(stage, n)}
         if K:
-            parts.append(self._neg1[:n, :K] if drafts is None else drafts)
-        parts.append(self._facts(stage, n))
+            source["drafts"] = self._neg1[:n, :K] if drafts is None else drafts
+        # every column of the rows in one write, in the layout's order
+        parts = []
+        for piece in self._plan:
+            if not isinstance(piece, str):
+                parts.append(piece[:n])  # a spare column's zeros
+                continue
+            parts.append(source[piece])
+            if piece == "tokens" and w < L:
+                parts.append(self._neg1[:n, : L - w])
         torch.cat(parts, 1, out=rows)
         v = self._bad_values(counts, stage)
         # the header, with FLAG_BAD_VALUES when a count is out of range: the
@@ -105,13 +128,13 @@ class TorchKernels:
     def release(self, buf: torch.Tensor, stage: torch.Tensor, n: int,
                 expect_drafts: bool | None, out: Outputs, table: torch.Tensor | None,
                 kept: int, verdict: torch.Tensor) -> None:
-        L, K, st = self.L, self.K, self.staging
+        st = self.staging
         rows = self.layout.device_rows(buf, n)
         head = buf[:HEADER_WORDS]
-        counts = rows[:, L : L + 2]
+        counts = rows[:, self._counts]
         bad_frame = (((head ^ stage[:HEADER_WORDS]) & self._head_mask).any()
                      | (self._checksum(buf, n) != head[_H_CSUM])
-                     | (rows[:, L + 2 + K :] != self._facts(stage, n)).any())
+                     | (rows[:, self._facts_at] != self._facts(stage, n)).any())
         flags = head[_H_FLAGS]
         has = (flags & FLAG_HAS_DRAFTS) != 0
         v = (bad_frame * V_FRAME + ((flags & FLAG_BAD_VALUES) != 0) * V_FLAGGED
@@ -124,12 +147,13 @@ class TorchKernels:
         # the device (no host sync): the error comes when the verdict is read
         ok = v == 0
         m1 = self._m1
-        torch.where(ok, rows[:, : out.tokens.shape[1]], m1, out=out.tokens)
+        tok = self._tok
+        torch.where(ok, rows[:, tok : tok + out.tokens.shape[1]], m1, out=out.tokens)
         out.counts.copy_(torch.where(ok, counts.t(), self._zeros[0]))
         torch.where(ok, stage[st.idx_out : st.idx_out + n], m1, out=out.idx_mapping)
         if out.drafts is None:
             return
-        torch.where(ok, rows[:, L + 2 : L + 2 + K], m1, out=out.drafts)
+        torch.where(ok, rows[:, self._drafts_at], m1, out=out.drafts)
         if table is not None and kept:
             # rule 4: kept rows only; a frame without drafts, or failed, leaves
             # the table: its kept rows are written back as they were (torch

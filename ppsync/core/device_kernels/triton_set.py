@@ -66,7 +66,12 @@ class TritonKernels:
         self.L, self.K = lay.sample_width, lay.num_drafts
         self.staging = st = lay.staging
         br = min(BLOCK_ROWS, triton.next_power_of_2(max(lay.max_num_reqs, 1)))
-        self._common = {"L": self.L, "K": self.K, "HW": HEADER_WORDS, "BOUNDS": Staging.bounds,
+        cols = lay.columns
+        self._common = {"TOK": cols.tokens.offset, "L": cols.tokens.width,
+                        "NS": cols.num_sampled.offset, "NR": cols.num_rejected.offset,
+                        "DR": cols.drafts.offset, "K": cols.drafts.width,
+                        "SN": cols.slot_need.offset, "NC": cols.num_computed.offset,
+                        "W": cols.row_width, "HW": HEADER_WORDS, "BOUNDS": Staging.bounds,
                         "FACTS": Staging.facts_at, "FLAG_BAD": FLAG_BAD_VALUES, "BR": br,
                         "BW": triton.next_power_of_2(lay.row_width)}
         self._release = {"IDX_OUT": st.idx_out, "KEPT_SLOTS": st.kept_slots,

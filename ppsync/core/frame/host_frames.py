@@ -63,20 +63,21 @@ class HostFrames(FrameLayout):
     ) -> tuple[int, int]:
         """Write one step into ``buf_np`` (inputs already validated); return
         the header's (flags, checksum)."""
-        n, L = view.num_reqs, self.sample_width
+        n, tok = view.num_reqs, self.columns.tokens
         rows = self.rows(buf_np, n)
         w = tokens_np.shape[1]
-        rows[:, :w] = tokens_np
-        if w < L:
-            rows[:, w:L] = -1
+        rows[:, tok.offset : tok.offset + w] = tokens_np
+        if w < tok.width:
+            rows[:, tok.offset + w : tok.end] = -1
         rows[:, self.col_num_sampled] = num_sampled_np
         rows[:, self.col_num_rejected] = num_rejected_np
         if self.num_drafts:
-            rows[:, self.col_drafts : self.col_slot_need] = -1 if drafts_np is None else drafts_np
+            self.drafts(rows)[:] = -1 if drafts_np is None else drafts_np
         flags = self.flags(self.num_drafts > 0 and drafts_np is not None)
         # two 1-D copies: cheaper than numpy's [n, 2] strided copy
         rows[:, self.col_slot_need] = 0 if view.slot_need_np is None else view.slot_need_np
         rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
+        self.clear_spare(buf_np, n)
         # one C call, cheaper than numpy's tuple assignment: native int64
         # words, as the buffer's own
         _HEAD.pack_into(buf_np, 0, MAGIC | FRAME_FORMAT_VERSION, view.seq, n,  # type: ignore[arg-type]
@@ -122,7 +123,7 @@ class HostFrames(FrameLayout):
             return
         rows = self.rows(buf_np, view.num_reqs)
         if view.facts_np is not None and not np.count_nonzero(
-                view.facts_np != rows[:, self.col_slot_need:].T):
+                view.facts_np != rows[:, self.columns.facts].T):
             return  # the usual case, in two numpy calls (count_nonzero is cheaper than any)
         theirs_sn, theirs_c = rows[:, self.col_slot_need], rows[:, self.col_computed]
         differs = (theirs_sn != view.slot_need_np) | (theirs_c != view.computed_np)

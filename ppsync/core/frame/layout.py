@@ -7,6 +7,14 @@ Layout (int64 words)::
     rows    [R, W], W = L + 4 + K     tokens[L], num_sampled, num_rejected, drafts[K],
                                       slot_need, num_computed
 
+The row's columns are declared once, in order, in ``ROW_COLUMNS``;
+``row_columns`` lays them out into a :class:`Columns` (each column's offset
+and width, and W), and every kernel set (numpy, numba, torch ops, Triton)
+reads its offsets from that object: none restates one. A declared column
+that no field of ``Columns`` names (reserved, not yet filled by any kernel)
+is packed as 0 by every kernel set, so a new column can be declared first
+and filled after.
+
 Each row ends with the sender's facts about it: ``slot_need = 2 * idx + need``
 (its request slot index and whether it needed a sample) and its
 ``num_computed_tokens``: what decides, on every rank, which rows need a
@@ -33,7 +41,7 @@ torch alike: both codecs compute it from the weights built here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
 import numpy as np
@@ -91,6 +99,79 @@ def slot_need_words(idx_np: np.ndarray, need_np: np.ndarray) -> np.ndarray:
     return words
 
 
+ROW_COLUMNS: tuple[tuple[str, int | str], ...] = (
+    ("tokens", "L"),  # the sampled tokens, -1 beyond the step's width w
+    ("num_sampled", 1),
+    ("num_rejected", 1),
+    ("drafts", "K"),  # -1 when the frame carries no drafts
+    ("slot_need", 1),  # 2 * idx + need
+    ("num_computed", 1),  # num_computed_tokens
+)
+"""A row's columns in order: (name, width in words: an int, or "L" / "K"
+for the sample width / the number of drafts). Adding a column is a line
+here (and a field of :class:`Columns` for the kernels to name it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column of a row: ``width`` words from word ``offset``."""
+
+    offset: int
+    width: int
+
+    @property
+    def end(self) -> int:
+        """The word after the column."""
+        return self.offset + self.width
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """Where each column of a row lies (laid out by :func:`row_columns`)."""
+
+    tokens: Column  # [L]
+    num_sampled: Column  # [1]
+    num_rejected: Column  # [1]
+    drafts: Column  # [K]
+    slot_need: Column  # [1]
+    num_computed: Column  # [1]
+    spare: tuple[Column, ...]
+    """Declared columns that no field names: every kernel set packs them as 0."""
+    row_width: int
+    """W: the words of a row."""
+    counts: slice
+    """num_sampled and num_rejected, adjacent: the kernels read them as one [n, 2] block."""
+    facts: slice
+    """slot_need and num_computed, adjacent: one [n, 2] block, as Staging holds them."""
+
+
+# the columns Columns names (its annotations are strings here: __future__)
+_NAMED = frozenset(f.name for f in fields(Columns) if f.type == "Column")
+
+
+def row_columns(L: int, K: int) -> Columns:
+    """The columns of ``ROW_COLUMNS`` laid out in order, for a sample width
+    ``L`` and ``K`` drafts."""
+    sizes = {"L": L, "K": K}
+    at = 0
+    named: dict[str, Column] = {}
+    spare: list[Column] = []
+    for name, width in ROW_COLUMNS:
+        col = Column(at, width if isinstance(width, int) else sizes[width])
+        if name in _NAMED:
+            named[name] = col
+        else:
+            spare.append(col)
+        at = col.end
+    for first, second in (("num_sampled", "num_rejected"), ("slot_need", "num_computed")):
+        if named[second].offset != named[first].end:
+            raise ValueError(f"ROW_COLUMNS: {second} must follow {first} (the kernels read "
+                             "them as one [n, 2] block)")
+    return Columns(**named, spare=tuple(spare), row_width=at,
+                   counts=slice(named["num_sampled"].offset, named["num_rejected"].end),
+                   facts=slice(named["slot_need"].offset, named["num_computed"].end))
+
+
 class Staging:
     """The named regions of a device codec's host staging buffer (pinned on
     a device), offsets in int64 words for R = max_num_reqs. The whole buffer
@@ -100,7 +181,7 @@ class Staging:
       checksum word 0: the device computes it);
     - ``bounds [2]``: the step's largest valid num_sampled, num_rejected;
     - ``facts [n, 2]``: each row's slot_need and num_computed, interleaved
-      as the frame's last two columns hold them;
+      as the frame's two adjacent facts columns hold them (Columns.facts);
     - ``idx_out [R]``, ``kept_slots [R]``, ``kept_rows [R]``: a receiver's
       consume: the idx_mapping handed out, the kept rows' request slots and
       the kept rows;
@@ -130,12 +211,13 @@ class FrameLayout:
         self.max_num_reqs = config.max_num_reqs  # R in the fixed wire mode
         self.sample_width = L = config.sample_width
         self.num_drafts = K = config.num_speculative_steps
-        self.col_num_sampled = L
-        self.col_num_rejected = L + 1
-        self.col_drafts = L + 2  # drafts[K] start here
-        self.col_slot_need = L + 2 + K
-        self.col_computed = L + 3 + K
-        self.row_width = L + 4 + K  # W
+        self.columns = cols = row_columns(L, K)
+        self.col_num_sampled = cols.num_sampled.offset
+        self.col_num_rejected = cols.num_rejected.offset
+        self.col_drafts = cols.drafts.offset  # drafts[K] start here
+        self.col_slot_need = cols.slot_need.offset
+        self.col_computed = cols.num_computed.offset
+        self.row_width = cols.row_width  # W
         self.exact = config.wire == "exact"
         self.staging = Staging(self.max_num_reqs)
         self.payload_w = weights(self.max_num_reqs * self.row_width, salt=1)
@@ -168,7 +250,15 @@ class FrameLayout:
 
     def drafts(self, rows: np.ndarray) -> np.ndarray:
         """[num_reqs, K] view of the draft columns of ``rows``."""
-        return rows[:, self.col_drafts : self.col_slot_need]
+        return rows[:, self.col_drafts : self.columns.drafts.end]
+
+    def clear_spare(self, buf_np: np.ndarray, num_reqs: int) -> None:
+        """Zero the spare columns of a host frame's used rows (none in the
+        layout as declared: then this costs one attribute check)."""
+        if self.columns.spare:
+            rows = self.rows(buf_np, num_reqs)
+            for col in self.columns.spare:
+                rows[:, col.offset : col.end] = 0
 
     def flags(self, has_drafts: bool) -> int:
         """The flags a host sets on a frame (FLAG_BAD_VALUES is the device's)."""

@@ -15,6 +15,11 @@ step) and the numpy path serves the call.
 
 Integer arithmetic is int64 and wraps mod 2**64, as numpy's does: the
 digest and the checksum are the numpy path's values word for word.
+
+The row's columns come in as one tuple of ints (:func:`column_words`, from
+the layout's Columns), an argument like any other: one compiled function
+serves every layout, and a plain tuple costs the call nothing measurable
+(a NamedTuple would: numba types it in Python on every call).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, HEADER_WORDS, Header
+from ppsync.core.frame.layout import (
+    FLAG_HAS_DRAFTS,
+    HEADER_WORDS,
+    Columns,
+    Header,
+    row_columns,
+)
 
 BAD = -1
 """Some rule failed: run the numpy path for the error."""
@@ -39,6 +50,15 @@ _I64, _I32, _B1 = nb.int64, nb.int32, nb.boolean
 _VIEW = [_I64[:], _I32[:]]  # a batch view's four arrays share one of these dtypes
 _COUNTS = [_I64[:], _I32[:]]  # num_sampled and num_rejected share one
 _DRAFTS = [_I64[:, :], _I32[:, :]]
+_COLS = nb.types.UniTuple(_I64, 9)  # column_words
+
+
+def column_words(cols: Columns) -> tuple[int, ...]:
+    """The kernels' ``cols`` argument: offsets and widths, unpacked in this
+    order at the top of each kernel that takes it."""
+    return (cols.tokens.offset, cols.tokens.width, cols.num_sampled.offset,
+            cols.num_rejected.offset, cols.drafts.offset, cols.drafts.width,
+            cols.slot_need.offset, cols.num_computed.offset, cols.row_width)
 
 
 # -- both roles: the batch view ---------------------------------------------
@@ -103,29 +123,29 @@ def values_ok(num_sampled, num_rejected, max_ns, max_nr):
     return 0
 
 
-@nb.njit([_I64(_I64[:], _I64[:, :], c, c, d, _B1, _I64[:, :], _I64, _I64, _I64[:])
+@nb.njit([_I64(_I64[:], _I64[:, :], c, c, d, _B1, _I64[:, :], _COLS, _I64[:])
           for c in _COUNTS for d in _DRAFTS], **_OPTS)
-def pack(buf, tokens, num_sampled, num_rejected, drafts, has_drafts, facts, L, K,
-         frame_w):
+def pack(buf, tokens, num_sampled, num_rejected, drafts, has_drafts, facts, cols, frame_w):
     """Write one step's rows into ``buf``, whose header words (all but the
     checksum) are written already: each row's tokens (-1 beyond w), counts,
-    drafts (-1 without), then its facts (``facts`` [2, n]: slot_need,
-    computed); then the checksum over the used prefix, into its word.
-    Returns the checksum."""
+    drafts (-1 without), facts (``facts`` [2, n]: slot_need, computed), at
+    the columns ``cols`` (column_words; spare columns are the caller's to
+    zero); then the checksum over the used prefix, into its word. Returns
+    the checksum."""
+    tok, L, ns_at, nr_at, dr_at, K, sn_at, nc_at, W = cols
     n, w = tokens.shape[0], tokens.shape[1]
-    W = L + 4 + K
     for i in range(n):
         r = _H + i * W
         for j in range(w):
-            buf[r + j] = tokens[i, j]
+            buf[r + tok + j] = tokens[i, j]
         for j in range(w, L):
-            buf[r + j] = -1
-        buf[r + L] = num_sampled[i]
-        buf[r + L + 1] = num_rejected[i]
+            buf[r + tok + j] = -1
+        buf[r + ns_at] = num_sampled[i]
+        buf[r + nr_at] = num_rejected[i]
         for j in range(K):
-            buf[r + L + 2 + j] = drafts[i, j] if has_drafts else -1
-        buf[r + L + 2 + K] = facts[0, i]
-        buf[r + L + 3 + K] = facts[1, i]
+            buf[r + dr_at + j] = drafts[i, j] if has_drafts else -1
+        buf[r + sn_at] = facts[0, i]
+        buf[r + nc_at] = facts[1, i]
     csum = _checksum(buf, _H + n * W, frame_w)
     buf[_CSUM] = csum
     return csum
@@ -134,30 +154,30 @@ def pack(buf, tokens, num_sampled, num_rejected, drafts, has_drafts, facts, L, K
 # -- receivers ----------------------------------------------------------------
 
 @nb.njit([_I64(_I64[:], _I64, _I64, _I64, _I64, _I64[:, :], _B1[:], _I64[:], _I64,
-               _I64[:, :], _I32[:, :], _I64[:], _I64[:, :], t, _B1, _I64, _I64, _I64[:])
+               _I64[:, :], _I32[:, :], _I64[:], _I64[:, :], t, _B1, _COLS, _I64[:])
           for t in _DRAFTS], **_OPTS)
 def release(buf, magic, seq, w, digest, facts, keep, idx, expect_drafts, tokens_out,
-            counts_out, idx_out, drafts_out, table, use_table, L, K,
-            frame_w):
+            counts_out, idx_out, drafts_out, table, use_table, cols, frame_w):
     """Check a received frame against this rank's view and read it out.
 
     This rank's view: the header words it expects (``magic``, ``seq``, n =
     ``facts.shape[1]``, ``w``, K, ``digest``) and its row facts ``facts``
-    [2, n]; ``expect_drafts``: -1 (take the frame's word), 0 or 1. Fills
+    [2, n]; ``expect_drafts``: -1 (take the frame's word), 0 or 1; the
+    columns ``cols`` (column_words). Fills
     ``tokens_out`` [n, w], ``counts_out`` [2, n] (num_sampled,
     num_rejected), ``idx_out`` [n] (-1 where not ``keep``), ``drafts_out``
     [n, K] when the frame has drafts, and with ``use_table`` scatters the
     kept rows' drafts into ``table``. Returns the header's flags, BAD (the
     frame disagrees) or DRAFTS_DIFFER; on either nothing was written."""
+    tok, _, ns_at, nr_at, dr_at, K, sn_at, nc_at, W = cols
     n = facts.shape[1]
-    W = L + 4 + K
     if buf[0] != magic or buf[1] != seq or buf[2] != n or buf[3] != w or buf[4] != K:
         return BAD
     if _checksum(buf, _H + n * W, frame_w) != buf[_CSUM]:
         return BAD
     for i in range(n):
-        r = _H + i * W + L + 2 + K
-        if buf[r] != facts[0, i] or buf[r + 1] != facts[1, i]:
+        r = _H + i * W
+        if buf[r + sn_at] != facts[0, i] or buf[r + nc_at] != facts[1, i]:
             return BAD
     if buf[_DIGEST] != digest:
         return BAD
@@ -168,16 +188,16 @@ def release(buf, magic, seq, w, digest, facts, keep, idx, expect_drafts, tokens_
     for i in range(n):
         r = _H + i * W
         for j in range(w):
-            tokens_out[i, j] = buf[r + j]
-        counts_out[0, i] = buf[r + L]
-        counts_out[1, i] = buf[r + L + 1]
+            tokens_out[i, j] = buf[r + tok + j]
+        counts_out[0, i] = buf[r + ns_at]
+        counts_out[1, i] = buf[r + nr_at]
         idx_out[i] = idx[i] if keep[i] else -1
         if has_drafts:
             for j in range(K):
-                drafts_out[i, j] = buf[r + L + 2 + j]
+                drafts_out[i, j] = buf[r + dr_at + j]
             if use_table and keep[i]:
                 for j in range(K):
-                    table[idx[i], j] = buf[r + L + 2 + j]
+                    table[idx[i], j] = buf[r + dr_at + j]
     return flags
 
 
@@ -195,18 +215,21 @@ def warm() -> None:
     if _warm:
         return
     i64 = np.int64
-    frame_w = np.ones(_H + 6, i64)  # one row of L = 1, K = 1: W = 6 words
+    one_row = row_columns(1, 1)  # one row of L = 1, K = 1
+    cols = column_words(one_row)
+    words = _H + one_row.row_width
+    frame_w = np.ones(words, i64)
     for dt in (i64, np.int32):
         one = np.ones(1, dt)
         batch_facts(np.zeros(1, dt), one, one, one, 1, np.empty((3, 1), i64),
                     np.empty(1, np.bool_), np.ones(2, i64), np.zeros(3, i64))
         values_ok(one, one, 1, 1)
         for ddt in (i64, np.int32):
-            pack(np.zeros(_H + 6, i64), np.zeros((1, 1), i64), one, one,
-                 np.zeros((1, 1), ddt), True, np.zeros((2, 1), i64), 1, 1, frame_w)
+            pack(np.zeros(words, i64), np.zeros((1, 1), i64), one, one,
+                 np.zeros((1, 1), ddt), True, np.zeros((2, 1), i64), cols, frame_w)
         # a zeroed frame: the header check answers BAD at once
-        release(np.zeros(_H + 6, i64), 1, 0, 1, 0, np.zeros((2, 1), i64),
+        release(np.zeros(words, i64), 1, 0, 1, 0, np.zeros((2, 1), i64),
                 np.ones(1, np.bool_), np.zeros(1, i64), -1, np.empty((1, 1), i64),
                 np.empty((2, 1), np.int32), np.empty(1, i64), np.empty((1, 1), i64),
-                np.zeros((1, 1), dt), False, 1, 1, frame_w)
+                np.zeros((1, 1), dt), False, cols, frame_w)
     _warm = True

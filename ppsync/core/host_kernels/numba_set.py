@@ -44,6 +44,7 @@ class NumbaKernels(NumpyKernels):
         self._facts_w = frames.facts_w
         self._facts_w_sums = frames.facts_w_sums
         self._frame_w = frames.frame_w
+        self._cols = jit.column_words(frames.columns)
         self.fallbacks = 0
         """Calls the numpy reference served (a broken rule, or arguments
         with no compiled signature): a figure for benchmarks and tests."""
@@ -97,10 +98,11 @@ class NumbaKernels(NumpyKernels):
         flags = f.flags(has_drafts)
         _HEAD.pack_into(buf_np, 0, _MAGIC, frame.seq, frame.num_reqs,  # type: ignore[arg-type]
                         frame.width(f), f.num_drafts, flags, frame.idx_digest)
+        f.clear_spare(buf_np, frame.num_reqs)
         try:
             checksum = jit.pack(buf_np, tokens_np, ns_np, nr_np,
                                 _NO_DRAFTS if drafts_np is None else drafts_np, has_drafts,
-                                frame.facts_np, f.sample_width, f.num_drafts, self._frame_w)
+                                frame.facts_np, self._cols, self._frame_w)
         except TypeError:
             self.fallbacks += 1
             return super().pack(buf_np, frame, tokens_np, ns_np, nr_np, drafts_np)
@@ -126,7 +128,7 @@ class NumbaKernels(NumpyKernels):
                 -1 if head.expect_drafts is None else int(head.expect_drafts),
                 tokens, counts, idx_out, drafts,
                 table.numpy() if on_host else _NO_DRAFTS,  # type: ignore[union-attr]
-                on_host, f.sample_width, K, self._frame_w)
+                on_host, self._cols, self._frame_w)
         except TypeError:
             flags = jit.BAD
         if flags < 0:  # the reference raises the frame's error

@@ -78,11 +78,12 @@ class NumpyKernels:
                 else:
                     scatter_rows(table, head.idx_np[keep], drafts_np[keep])
         # both counts in one call: [2, num_reqs] int32, each row contiguous
-        L = frames.col_num_sampled
-        counts = np.array(rows[:, L:L + 2].T, dtype=np.int32, order="C")
+        cols = frames.columns
+        counts = np.array(rows[:, cols.counts].T, dtype=np.int32, order="C")
+        tok = cols.tokens.offset
         return ReleasedStep(
             seq=head.frame.seq,
-            sampled_tokens=torch.from_numpy(rows[:, :w].copy()),
+            sampled_tokens=torch.from_numpy(rows[:, tok : tok + w].copy()),
             num_sampled=torch.from_numpy(counts[0]),
             num_rejected=torch.from_numpy(counts[1]),
             idx_mapping=torch.from_numpy(idx_out),
