@@ -27,9 +27,9 @@ from ppsync.core.groups import (
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
+from ppsync.core.records import PendingStep, PreparedStep
 from ppsync.core.released import ReleasedStep
 from ppsync.core.ring import SlotRing
-from ppsync.core.steps import PendingStep, PreparedStep
 from ppsync.core.token_path import TokenPath
 
 __all__ = [

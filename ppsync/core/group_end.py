@@ -32,8 +32,9 @@ from ppsync.core.handshake import Handshake
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform, platform_for
 from ppsync.core.recorder import FlightRecorder
+from ppsync.core.records import PendingStep
 from ppsync.core.ring import SlotRing
-from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, role_error
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, role_error
 from ppsync.core.teardown import keep_until_exit
 from ppsync.core.transport import Broadcaster, TransportClock
 from ppsync.core.waits import InFlight, Waits

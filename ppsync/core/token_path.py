@@ -55,8 +55,9 @@ from ppsync.core.generations import GenerationTable
 from ppsync.core.group_end import GroupEnd
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import Platform
+from ppsync.core.records import PendingStep, PreparedStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames, PendingStep, PreparedStep
+from ppsync.core.steps import TOKEN_PATH_NAMES, CallNames
 from ppsync.errors import BatchError, ProtocolError
 from ppsync.schemas.config import SyncConfig
 

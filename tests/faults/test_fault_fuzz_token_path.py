@@ -73,7 +73,7 @@ from hypothesis import strategies as st
 from ppsync.core.batch import BatchView
 from ppsync.core.batch.facts import batch_facts
 from ppsync.core.groups import token_group
-from ppsync.core.steps import PreparedStep
+from ppsync.core.records import PreparedStep
 from ppsync.core.token_path import TokenPath
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

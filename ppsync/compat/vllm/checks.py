@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ppsync.core.batch import batch_view_of, validate_batch
-from ppsync.core.steps import PreparedStep
+from ppsync.core.records import PreparedStep
 from ppsync.errors import BatchError, ProtocolError
 
 T = TypeVar("T")

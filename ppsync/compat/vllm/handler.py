@@ -67,8 +67,9 @@ from ppsync.core.completion import emulate as emulate_group
 from ppsync.core.groups import strided_layout, token_group_in_layout
 from ppsync.core.liveness import FailureBoard
 from ppsync.core.platform import platform_for
+from ppsync.core.records import PreparedStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import CallNames, PreparedStep
+from ppsync.core.steps import CallNames
 from ppsync.core.token_path import TokenPath
 from ppsync.errors import ConfigError, ProtocolError
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig

@@ -26,8 +26,8 @@ from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.host_kernels import HostKernels
 from ppsync.core.platform import Platform
+from ppsync.core.records import PendingStep, PreparedStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep, PreparedStep
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 

@@ -71,8 +71,8 @@ from ppsync.core.frame.host_frames import HostFrames, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView, Header
 from ppsync.core.host_kernels import host_kernels_for
 from ppsync.core.platform import Platform, StepEvent
+from ppsync.core.records import PendingStep, PreparedStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep, PreparedStep
 from ppsync.errors import BatchError, DesyncError
 from ppsync.schemas.config import SyncConfig
 

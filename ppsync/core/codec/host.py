@@ -25,8 +25,8 @@ from ppsync.core.codec.base import Issue, StepDrafts, Wait
 from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.host_kernels import host_kernels_for
+from ppsync.core.records import PendingStep, PreparedStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep, PreparedStep
 from ppsync.errors import BatchError
 from ppsync.schemas.config import SyncConfig
 

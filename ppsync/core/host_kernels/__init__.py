@@ -19,8 +19,8 @@ from ppsync.core.batch.facts import BatchFacts
 from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.host_kernels.numpy_set import NumpyKernels
+from ppsync.core.records import PendingStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 

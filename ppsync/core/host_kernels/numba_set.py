@@ -24,8 +24,8 @@ from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION, MAGIC, FrameView, Header
 from ppsync.core.host_kernels import jit
 from ppsync.core.host_kernels.numpy_set import NumpyKernels, scatter_rows
+from ppsync.core.records import PendingStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep
 
 _HEAD = struct.Struct(f"={int(Header.CHECKSUM)}q")
 """The header words before the checksum (the HostFrames's own packing)."""

@@ -16,8 +16,8 @@ from ppsync.core.batch.facts import BatchFacts, batch_facts
 from ppsync.core.checks import check_sampled
 from ppsync.core.frame.host_frames import HostFrames, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView
+from ppsync.core.records import PendingStep
 from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import PendingStep
 
 
 class NumpyKernels:

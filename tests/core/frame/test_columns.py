@@ -28,7 +28,7 @@ from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import Column, Columns, row_columns
 from ppsync.core.host_kernels import NumpyKernels, numba_error
-from ppsync.core.steps import PendingStep
+from ppsync.core.records import PendingStep
 from ppsync.schemas.config import SyncConfig
 
 R, K, N = 8, 2, 5  # max_num_reqs, drafts, rows

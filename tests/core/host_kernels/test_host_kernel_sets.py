@@ -17,7 +17,7 @@ from ppsync.core.batch import BatchView
 from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.host_kernels import NumpyKernels, numba_error
-from ppsync.core.steps import PendingStep
+from ppsync.core.records import PendingStep
 from ppsync.errors import PPSyncError
 from ppsync.schemas.config import SyncConfig
 
