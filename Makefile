@@ -44,7 +44,7 @@ demo: $(STAMP)
 
 # The core, services and fault suites on the oldest and the newest torch of the
 # range pyproject.toml declares (the releases the supported vLLM releases pin;
-# ppsync.core.torch_support), each in its own venv .venv-torch-VERSION: the CPU
+# ppsync.core.wire.torch_support), each in its own venv .venv-torch-VERSION: the CPU
 # build from PyTorch's CPU index, or, where that index cannot be reached, the
 # PyPI build (CUDA-linked, about 5 GB with its libraries; it runs on CPU).
 # Triton comes out of these venvs: the interpreter of the Triton those builds

@@ -24,18 +24,18 @@ if _MISSING:  # a CUDA image has torch and numpy but no pydantic: say what to do
 
 if _typing.TYPE_CHECKING:  # the names, for readers and type checkers; loaded on first use
     from ppsync.compat import PPHandler
+    from ppsync.compat.vllm.aux_relay import AuxRelay
     from ppsync.core import (
-        AuxRelay,
         BatchView,
         FailureBoard,
         ReleasedStep,
         TokenPath,
         batch_view_of,
         need_sampled_mask,
-        pipeline_layout,
-        strided_layout,
+        pipeline_groups,
+        strided_groups,
         token_group,
-        token_group_in_layout,
+        token_group_among,
         token_groups,
     )
     from ppsync.errors import (
@@ -82,15 +82,15 @@ __all__ = [
     "batch_view_of",
     "need_sampled_mask",
     "open_rank",
-    "pipeline_layout",
-    "strided_layout",
+    "pipeline_groups",
+    "strided_groups",
     "token_group",
-    "token_group_in_layout",
+    "token_group_among",
     "token_groups",
 ]
 
 _WHERE = {
-    "AuxRelay": "ppsync.core",
+    "AuxRelay": "ppsync.compat.vllm.aux_relay",
     "BatchError": "ppsync.errors",
     "BatchView": "ppsync.core",
     "BroadcastService": "ppsync.services",
@@ -116,10 +116,10 @@ _WHERE = {
     "batch_view_of": "ppsync.core",
     "need_sampled_mask": "ppsync.core",
     "open_rank": "ppsync.services",
-    "pipeline_layout": "ppsync.core",
-    "strided_layout": "ppsync.core",
+    "pipeline_groups": "ppsync.core",
+    "strided_groups": "ppsync.core",
     "token_group": "ppsync.core",
-    "token_group_in_layout": "ppsync.core",
+    "token_group_among": "ppsync.core",
     "token_groups": "ppsync.core",
 }
 """Public name -> the module that defines it. Importing ``ppsync`` (and so

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppsync.core.batch import BatchView
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
 from ppsync.harness.driver import StepLoop, outputs
 from ppsync.services.runtime import Rank
 

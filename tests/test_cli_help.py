@@ -47,9 +47,9 @@ def test_help_prints_no_markup() -> None:
 
 
 def test_run_device_choices_are_the_platform_tables() -> None:
-    """``run --device`` offers the platforms ppsync.core.platform knows (the
+    """``run --device`` offers the platforms ppsync.core.wire.platform knows (the
     parser keeps its own copy so that parsing imports no torch)."""
     from ppsync.cli.parser import DEVICES
-    from ppsync.core.platform import PLATFORMS
+    from ppsync.core.wire.platform import PLATFORMS
 
     assert DEVICES == PLATFORMS

@@ -145,28 +145,58 @@ def test_cycle_finder_sees_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# inside core: the frame format knows no codec and no kernel set; the kernel
-# sets know no codec; the codec sits above them all, and the token path above it.
-CORE_BELOW_CODEC = ("batch", "completion", "frame", "host_kernels", "device_kernels",
-                    "checks", "platform", "steps", "released")
-CORE_BELOW_KERNELS = ("frame",)
+# inside core, one concern per package, each importing only those below it:
+# the rules and the wire know no other; the frame format knows the rules; the
+# codec packs frames over the wire; the recorder records frames; the token
+# path combines them all.
+CORE_PACKAGES = {"rules": 0, "wire": 0, "frame": 1, "codec": 2, "recorder": 2, "path": 3}
+# the kernel sets know no codec: of the codec package only the step records
+KERNEL_SETS = ("cpu_kernels", "device_kernels")
+KERNEL_SETS_MAY_IMPORT = ("records", "released", *KERNEL_SETS)
+
+
+def _core_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, imports in graph.items():
+        parts = mod.split(".")
+        if parts[:2] != ["ppsync", "core"] or len(parts) < 4:
+            continue  # ppsync.core itself and its __init__ re-exports
+        for other in imports:
+            o = other.split(".")
+            if o[:2] != ["ppsync", "core"] or len(o) < 3 or o[2] == parts[2]:
+                if (parts[2] == "codec" and len(parts) > 4 and parts[3] in KERNEL_SETS
+                        and o[:3] == ["ppsync", "core", "codec"] and len(o) > 3
+                        and o[3] not in KERNEL_SETS_MAY_IMPORT):
+                    bad.append(f"{mod} imports {other}")
+                continue
+            if CORE_PACKAGES.get(o[2], 99) >= CORE_PACKAGES.get(parts[2], -1):
+                bad.append(f"{mod} imports {other}")
+    return bad
 
 
 def test_core_packages_import_only_downward() -> None:
-    bad = []
-    for mod, imports in _module_graph().items():
-        parts = mod.split(".")
-        if parts[:2] != ["ppsync", "core"] or len(parts) < 3:
-            continue
-        for other in imports:
-            o = other.split(".")
-            if o[:2] != ["ppsync", "core"] or len(o) < 3:
-                continue
-            if parts[2] in CORE_BELOW_CODEC and o[2] == "codec":
-                bad.append(f"{mod} imports {other}")
-            if parts[2] in CORE_BELOW_KERNELS and o[2] in ("host_kernels", "device_kernels"):
-                bad.append(f"{mod} imports {other}")
-    assert bad == []
+    assert _core_violations(_module_graph()) == []
+
+
+def test_core_layer_check_sees_an_upward_import_and_a_kernel_set_using_the_codec() -> None:
+    graph = {"ppsync.core.frame.layout": {"ppsync.core.codec.base"},
+             "ppsync.core.codec.cpu_kernels.numpy_set": {"ppsync.core.codec.host",
+                                                          "ppsync.core.codec.records"},
+             "ppsync.core.path.token_path": {"ppsync.core.codec.base"}}
+    assert _core_violations(graph) == [
+        "ppsync.core.frame.layout imports ppsync.core.codec.base",
+        "ppsync.core.codec.cpu_kernels.numpy_set imports ppsync.core.codec.host"]
+
+
+def test_no_loose_module_at_the_root_of_core() -> None:
+    """core/ holds its packages and its __init__.py only; every package is
+    one that the layer order above names."""
+    core = Path(ppsync.__file__).parent / "core"
+    loose = sorted(p.name for p in core.glob("*.py") if p.name != "__init__.py")
+    packages = sorted(p.name for p in core.iterdir()
+                      if p.is_dir() and (p / "__init__.py").exists())
+    assert loose == []
+    assert packages == sorted(CORE_PACKAGES)
 
 
 def test_every_module_is_under_400_lines() -> None:

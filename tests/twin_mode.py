@@ -1,7 +1,7 @@
 """The multi-rank suites run in several completion modes (docs/design.md,
 "The CPU twin"): "gloo" as it is, where a work's future completes with the
 transfer, and "twin", gloo ranks whose token group behaves as NCCL's
-(ppsync.core.completion.twin): futures complete at enqueue, streams run
+(ppsync.core.wire.completion.twin): futures complete at enqueue, streams run
 later than the host. In twin mode frames are the device codec's (NCCL takes
 device tensors only) on a fixed wire, and a rank ends by checking that its
 engine's stream never waited on a transfer it had not consumed.
@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from ppsync.core.completion import STATS, emulate
+from ppsync.core.wire.completion import STATS, emulate
 from ppsync.schemas.config import SyncConfig
 
 Mode = Literal["gloo", "twin", "xccl", "hang"]

@@ -41,9 +41,9 @@ from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.bench.stats import pct_us
 from ppsync.bench.vllm_scheme import VllmHostOps
-from ppsync.core.host_kernels import numba_error
-from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import TransportClock
+from ppsync.core.codec.cpu_kernels import numba_error
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.transport import TransportClock
 from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.config import HostKernelsName, SyncConfig
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
-from ppsync.core.batch import BatchView
-from ppsync.core.groups import token_group
-from ppsync.core.transport import broadcast_async, wait_work
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.groups import token_group
+from ppsync.core.wire.transport import broadcast_async, wait_work
 from ppsync.schemas.bench import BenchOptions
 
 now = time.perf_counter_ns  # CLOCK_MONOTONIC: one clock for every rank process

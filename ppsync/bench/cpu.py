@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ppsync.bench.common import cpu_now
 from ppsync.bench.stats import pct_us
 from ppsync.core.frame import FrameView
-from ppsync.core.recorder import FlightRecorder
+from ppsync.core.recorder.flight import FlightRecorder
 from ppsync.schemas.bench import BenchOptions
 
 

@@ -9,8 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ppsync.core.dump_snapshot import write_dump
-from ppsync.core.recorder import FlightRecorder
+from ppsync.core.recorder.flight import FlightRecorder
+from ppsync.core.recorder.snapshot import write_dump
 from ppsync.debug.load import load
 from ppsync.schemas.config import SyncConfig
 

@@ -37,9 +37,9 @@ from ppsync.bench.gpu_failure_checks import (
     until_completed,
 )
 from ppsync.bench.gpu_stream_checks import device_of
-from ppsync.core.completion import Completion
-from ppsync.core.platform import platform_for
-from ppsync.services.completion import await_work
+from ppsync.core.wire.completion import Completion
+from ppsync.core.wire.platform import platform_for
+from ppsync.services.awaiting import await_work
 
 
 class PolledWork:

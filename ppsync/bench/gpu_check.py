@@ -56,7 +56,7 @@ from ppsync.bench import gpu_failure_checks as failure
 from ppsync.bench import gpu_stream_checks as stream
 from ppsync.bench import gpu_workload_checks as workload
 from ppsync.bench.fresh import Overran, in_fresh_process
-from ppsync.core.device_kernels import triton_error
+from ppsync.core.codec.device_kernels import triton_error
 
 RUN_BUDGET_S = 330.0
 """The whole run's bound (checks not started in it read SKIP)."""
@@ -67,7 +67,7 @@ ONE_GPU_GAPS = (
     "not checkable on one GPU, the CPU twin (--emulate nccl|xccl) stands in: an abort across "
     "ranks (tests/faults/test_fault_abort_release.py, tests/faults/test_fault_exit.py), "
     "NCCL's watchdog (tests/faults/test_fault_watchdog.py), a pending cross-rank receive "
-    "(tests/faults/test_fault_peer_death.py, tests/core/completion/test_twin.py)")
+    "(tests/faults/test_fault_peer_death.py, tests/core/wire/completion/test_twin.py)")
 
 
 @dataclass(frozen=True)

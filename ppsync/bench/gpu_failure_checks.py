@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.gpu_stream_checks import decode_view, device_of, long_kernel
-from ppsync.core.completion import Completion, completion_for
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.completion import Completion, completion_for
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import SyncTimeout
 from ppsync.schemas.config import SyncConfig
 

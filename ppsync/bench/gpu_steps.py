@@ -24,7 +24,7 @@ import torch
 from ppsync.bench.codec_cpu import path_pair
 from ppsync.bench.common import fixed_step
 from ppsync.bench.vllm_scheme import VllmHostOps
-from ppsync.core.device_kernels import triton_error
+from ppsync.core.codec.device_kernels import triton_error
 from ppsync.schemas.config import SyncConfig
 
 Timing = dict[str, dict[str, tuple[float, float]]]

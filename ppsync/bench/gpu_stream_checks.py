@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.codec_cpu import path_pair
-from ppsync.core.batch import BatchView
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed, SyncTimeout
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
@@ -193,7 +193,7 @@ def variant_counts(kernels: str, device: str = "cuda:0", row_counts: tuple[int, 
     counts: list[dict[str, int | None]] = []
     kernel_fns: dict[str, Any] = {}
     if kernels == "triton":
-        from ppsync.core.device_kernels import triton_jit
+        from ppsync.core.codec.device_kernels import triton_jit
         kernel_fns = {"pack_frame": triton_jit.pack_frame,
                       "check_release": triton_jit.check_release}
     top = max(row_counts)

@@ -28,9 +28,9 @@ from ppsync.bench.gpu_stream_checks import (
     late_peer_async_rank,
     main_stream_work,
 )
-from ppsync.core.device_kernels import triton_error
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.device_kernels import triton_error
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import BatchError
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks

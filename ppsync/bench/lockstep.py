@@ -47,11 +47,11 @@ from ppsync.bench.common import (
 )
 from ppsync.bench.stats import overdue_within
 from ppsync.core.frame import FrameView
-from ppsync.core.frame.host_frames import HostFrames
-from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import TransportClock, broadcast_async, wait_work
+from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.transport import TransportClock, broadcast_async, wait_work
 from ppsync.errors import PPSyncError
-from ppsync.services.completion import await_work
+from ppsync.services.awaiting import await_work
 from ppsync.services.runtime import Rank, open_rank
 
 VARIANTS = ("a_raw_frame", "b_vllm", "c_ppsync_sync", "d_ppsync_async")
@@ -87,7 +87,7 @@ class _Lockstep:
         self.ctx = ctx
         self.clock = clock
         self.config = o.sync_config(ring_depth=1)
-        codec = HostFrames(self.config)
+        codec = NumpyFrames(self.config)
         self.frame = torch.zeros(codec.words(o.rows), dtype=torch.int64)  # [words]
         if ctx.is_last:  # a real frame, though a raw broadcast never looks
             s = ctx.step

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
 
 cpu_now = time.thread_time_ns
 

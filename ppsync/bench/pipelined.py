@@ -41,8 +41,8 @@ from ppsync.bench.common import (
 )
 from ppsync.bench.stats import overdue_within
 from ppsync.bench.vllm_scheme import VllmHostOps
-from ppsync.core.token_path import TokenPath
-from ppsync.core.transport import TransportClock
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.transport import TransportClock
 from ppsync.errors import PPSyncError
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank

@@ -36,7 +36,7 @@ from ppsync.bench.pipelined import (
     rounds,
 )
 from ppsync.bench.stats import pct_us, ratio
-from ppsync.core.frame.host_frames import HostFrames
+from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.bench import (
     BenchOptions,
@@ -108,7 +108,7 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     reference = is_reference(opts)
     return BenchReport(
         options=opts,
-        frame_words=HostFrames(opts.sync_config(ring_depth=1)).words(opts.rows),
+        frame_words=NumpyFrames(opts.sync_config(ring_depth=1)).words(opts.rows),
         slot_us=lock[0].slot_ns / 1e3,
         lockstep=lockstep,
         lockstep_lag_p99_us=lag_p99,

@@ -3,7 +3,7 @@
     python -m ppsync.bench.wakeup [--iters 4000] [--block 100] [--backend asyncio]
 
 Two local gloo ranks ping-pong a small broadcast (rank 0 sends, then rank 1),
-each rank awaiting every transfer with ``ppsync.services.completion.await_work``
+each rank awaiting every transfer with ``ppsync.services.awaiting.await_work``
 on its event loop. Blocks of ``--block`` round trips alternate between the
 inline wait off (``INLINE_WAIT_S = 0``: every pending wait is handed to the
 loop by the done-callback) and on (the module's bound). Prints the median µs
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from ppsync.bench.common import now, world_group
-from ppsync.core.transport import broadcast_async
+from ppsync.core.wire.transport import broadcast_async
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.services import completion
+from ppsync.services import awaiting
 
 TIMEOUT_S = 30.0
 
@@ -33,11 +33,11 @@ def _rank(iters: int, block: int, backend: str, bound_s: float, env: RankEnv) ->
     group = world_group()
     buf = torch.zeros(64, dtype=torch.int64)
     bounds = {"off": 0.0, "on": bound_s}
-    default = completion.INLINE_WAIT_S
+    default = awaiting.INLINE_WAIT_S
     per: dict[str, list[float]] = {k: [] for k in bounds}
     ended = {k: 0 for k in bounds}
     reached = {k: 0 for k in bounds}
-    inline_wait = completion.inline_wait
+    inline_wait = awaiting.inline_wait
     mode = ["off"]
 
     def counted(flag: object, bound_s: float) -> bool:
@@ -46,25 +46,25 @@ def _rank(iters: int, block: int, backend: str, bound_s: float, env: RankEnv) ->
         ended[mode[0]] += done
         return done
 
-    completion.inline_wait = counted
+    awaiting.inline_wait = counted
 
     async def main() -> None:
         for b in range(iters // block):
             mode[0] = ("off", "on")[b % 2]
-            completion.INLINE_WAIT_S = bounds[mode[0]]
+            awaiting.INLINE_WAIT_S = bounds[mode[0]]
             t0 = now()
             for _ in range(block):
                 for src in (0, 1):
                     work = broadcast_async(buf, src, group)
-                    await completion.await_work(work, timeout_s=TIMEOUT_S, what="bench: ping",
+                    await awaiting.await_work(work, timeout_s=TIMEOUT_S, what="bench: ping",
                                                peer=src)
             per[mode[0]].append((now() - t0) / (2 * block) / 1e3)
 
     try:
         anyio.run(main, backend=backend)
     finally:
-        completion.inline_wait = inline_wait
-        completion.INLINE_WAIT_S = default
+        awaiting.inline_wait = inline_wait
+        awaiting.INLINE_WAIT_S = default
     out = {f"{k}_us": float(np.median(v[1:])) for k, v in per.items()}
     out.update({f"{k}_reached": float(reached[k]) for k in bounds})
     out.update({f"{k}_ended_inline": float(ended[k]) for k in bounds})
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=4000)
     ap.add_argument("--block", type=int, default=100)
     ap.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
-    ap.add_argument("--bound-us", type=float, default=completion.INLINE_WAIT_S * 1e6,
+    ap.add_argument("--bound-us", type=float, default=awaiting.INLINE_WAIT_S * 1e6,
                     help="the inline bound of the 'on' blocks (default: the module's)")
     args = ap.parse_args(argv)
     results = spawn_ranks(functools.partial(_rank, args.iters, args.block, args.backend,

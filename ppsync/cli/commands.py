@@ -25,12 +25,12 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from ppsync.core.codec import check_frames
-from ppsync.core.completion import StreamOrdered
-from ppsync.core.device_kernels import resolve_device_kernels
-from ppsync.core.dump_registry import check_dump_dir
-from ppsync.core.dump_triggers import dump_all, install_dump_triggers
-from ppsync.core.groups import pipeline_layout
-from ppsync.core.host_kernels import resolve_host_kernels
+from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
+from ppsync.core.codec.device_kernels import resolve_device_kernels
+from ppsync.core.recorder.registry import check_dump_dir
+from ppsync.core.recorder.triggers import dump_all, install_dump_triggers
+from ppsync.core.wire.completion import StreamOrdered
+from ppsync.core.wire.groups import pipeline_groups
 from ppsync.debug.cli import dump_files, point_at_dumps
 from ppsync.debug.paths import check_output_file
 from ppsync.errors import ConfigError, PPSyncError, Stopped
@@ -160,7 +160,7 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
     # a kernel set named outright that cannot run here: a bad argument (exit 2)
     # before any rank starts ("auto" always resolves)
     if config.host_kernels != "auto":
-        resolve_host_kernels(config)
+        resolve_cpu_kernels(config)
     if config.codec == "device" and config.device_kernels != "auto":
         resolve_device_kernels(config, torch.device(getattr(args, "device", "cpu")))
     return config
@@ -214,7 +214,7 @@ def _launch(args: argparse.Namespace) -> int:
     _prepare_dumps(args)
     try:
         # a run that fails or is ended still reports what was checked (INCOMPLETE)
-        report = run_local(config, steps=args.steps, seed=args.seed, backend=args.backend,
+        report = run_local(config, steps=args.steps, seed=args.seed, framework=args.framework,
                            jitter_us=args.jitter_us, knobs={"max_arrivals": args.arrivals},
                            world_size=args.world_size,
                            progress_s=None if args.quiet else args.progress_every,
@@ -239,12 +239,12 @@ def _run(args: argparse.Namespace) -> int:
     if world.rank == 0:
         _check_report_path(args)
     if args.check:
-        pipeline_layout(world.world_size, config.pp_size)
+        pipeline_groups(world.world_size, config.pp_size)
         rank_device(args.device, config.codec, world.local_rank)
         print(f"ppsync: run --check: ok (world {world.world_size}, pp_size {config.pp_size}, "
               f"device {args.device})", file=sys.stderr)
         return 0
-    opts = RunOptions(args.steps, args.seed, args.backend, args.jitter_us,
+    opts = RunOptions(args.steps, args.seed, args.framework, args.jitter_us,
                       {"max_arrivals": args.arrivals},
                       None if args.quiet else args.progress_every, args.join_timeout,
                       args.device, args.run_id, args.emulate)

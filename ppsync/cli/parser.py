@@ -60,7 +60,7 @@ C=400 us, printed for that configuration only, never checked (exit 0)."""
 
 DEVICES = ("cpu", "cuda", "xpu")
 """Where ``run``'s tensors may live: the CPU and the accelerators whose
-platforms ppsync.core.platform knows (a test compares the two)."""
+platforms ppsync.core.wire.platform knows (a test compares the two)."""
 
 DEMO_STEPS = 3000
 """Steps of ``launch`` and ``run`` when --steps is not given (``make demo``'s)."""
@@ -135,9 +135,9 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--timeout", type=_sync("timeout_s"), default=DEFAULT_TIMEOUT_S,
                     help="bound on every wait (s); launch ends a rank that completes no "
                     "step for this long plus a grace")
-    la.add_argument("--async", dest="backend", nargs="?", const="asyncio", default=None,
+    la.add_argument("--async", dest="framework", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
-                    help="carry tokens through the anyio services (backend asyncio when "
+                    help="carry tokens through the anyio services (framework asyncio when "
                     "none is named)")
     la.add_argument("--arrivals", type=_positive, default=4,
                     help="most requests arriving in one step (load)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ppsync.core.released import ReleasedStep
+from ppsync.core.codec.released import ReleasedStep
 from ppsync.harness.workload import ScheduledStep, Workload
 
 

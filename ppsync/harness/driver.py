@@ -1,7 +1,7 @@
 """Drive one rank's token path with the synthetic workload, synchronously
 (the core) or through the anyio services.
 
-Both loops follow the engine order of ``ppsync.core.token_path``: consume
+Both loops follow the engine order of ``ppsync.core.path.token_path``: consume
 (non-last ranks), free slots, schedule, then post or publish. They run D
 extra steps with empty batches at the end so every posted step is consumed
 and checked. The time a rank's loop spends inside the token path per step is
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.released import ReleasedStep
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.board import FailureBoard
 from ppsync.harness import step_board
 from ppsync.harness.checker import Checker
 from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
@@ -33,7 +33,7 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
 from ppsync.services.runtime import open_rank
 
-Backend = Literal["asyncio", "trio"]
+Framework = Literal["asyncio", "trio"]
 
 
 def workload_config(
@@ -273,14 +273,14 @@ def run_async_rank_blocking(
     config: SyncConfig,
     group: dist.ProcessGroup,
     wcfg: WorkloadConfig,
-    backend: Backend,
+    framework: Framework,
     board: FailureBoard | None = None,
     jitter_us: float = 0.0,
     progress: Callable[[int], None] | None = None,
     device: torch.device | None = None,
 ) -> RankReport:
     """Run ``wcfg.steps`` steps (plus D to drain) through the anyio services,
-    under ``anyio.run`` on ``backend`` (``device``: the device codec's, where
+    under ``anyio.run`` on ``framework`` (``device``: the device codec's, where
     the engine's tensors live)."""
 
     async def run() -> RankReport:
@@ -296,4 +296,4 @@ def run_async_rank_blocking(
                 result = await calls[name](*args)
         return with_kernels(loop.report(rank.rank), rank.path)
 
-    return anyio.run(run, backend=backend)
+    return anyio.run(run, backend=framework)

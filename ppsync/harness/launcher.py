@@ -34,8 +34,8 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from ppsync.core.dump_triggers import dump_all, install_dump_triggers
-from ppsync.core.liveness import FailureBoard
+from ppsync.core.recorder.triggers import dump_all, install_dump_triggers
+from ppsync.core.wire.board import FailureBoard
 from ppsync.errors import PeerLost, RankFailed, Stopped, SyncTimeout
 from ppsync.harness.lifetime import (
     StopGuard,

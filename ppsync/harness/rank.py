@@ -1,8 +1,8 @@
 """The rank code of ``ppsync run``: one process, one world rank.
 
-Every rank runs the same steps: check the layout (before anything connects),
+Every rank runs the same steps: check the PP groups (before anything connects),
 join the world, make every PP group and its token group (a tensor x pipeline
-layout when WORLD_SIZE > pp_size), run the workload on its own PP group with
+PP groups when WORLD_SIZE > pp_size), run the workload on its own PP group with
 a failure board in the run's store, then gather every rank's report over the
 world so that every rank holds the whole :class:`RunReport` and exits with
 the same verdict. ``ppsync launch`` spawns processes that run exactly this.
@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec import frames_on_device
-from ppsync.core.completion import STATS, completion_for, emulate
-from ppsync.core.dump_registry import set_world
-from ppsync.core.groups import group_facts, pipeline_layout, token_groups
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.platform import platform_for
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.recorder.registry import set_world
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.completion import STATS, completion_for, emulate
+from ppsync.core.wire.groups import group_facts, pipeline_groups, token_groups
+from ppsync.core.wire.platform import platform_for
 from ppsync.errors import ConfigError
 from ppsync.harness.driver import (
-    Backend,
+    Framework,
     run_async_rank_blocking,
     run_sync_rank,
     workload_config,
@@ -48,7 +48,7 @@ class RunOptions:
 
     steps: int
     seed: int = 0
-    backend: Backend | None = None  # None: the synchronous core
+    framework: Framework | None = None  # None: the synchronous core
     jitter_us: float = 0.0  # per rank per step, a random pause in [0, jitter_us]
     knobs: dict[str, object] = field(default_factory=dict)  # WorkloadConfig overrides
     progress_s: float | None = None  # world rank 0 prints progress this often; None: never
@@ -102,10 +102,10 @@ def _run_group(
     device: torch.device | None,
 ) -> RankReport:
     wcfg = workload_config(config, steps=opts.steps, seed=opts.seed, **opts.knobs)
-    if opts.backend is None:
+    if opts.framework is None:
         path = TokenPath(config, group, board=board, device=device)
         return run_sync_rank(path, wcfg, jitter_us=opts.jitter_us, progress=progress)
-    return run_async_rank_blocking(config, group, wcfg, opts.backend, board, opts.jitter_us,
+    return run_async_rank_blocking(config, group, wcfg, opts.framework, board, opts.jitter_us,
                                    progress=progress, device=device)
 
 
@@ -154,7 +154,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     """Run this rank's part of the check and return the whole run's report
     (the same on every rank). Raises :class:`ConfigError` before connecting
     when WORLD_SIZE is not a multiple of pp_size; any fault raises."""
-    layout = pipeline_layout(world.world_size, config.pp_size)
+    pp_groups = pipeline_groups(world.world_size, config.pp_size)
     device = rank_device(opts.device, config.codec, world.local_rank)  # before connecting
     store = world.connect(opts.join_timeout_s, opts.run_id)
     # one id for every dump of this world: the first rank's pick, kept in the run's store
@@ -168,16 +168,16 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     # --timeout, 10 s, a compose run failed in connectFullMesh). Their
     # collectives then get the run's own timeout (the token path sets its
     # group's; the final gather's is set here).
-    _, group = token_groups(layout, timeout_s=opts.join_timeout_s, backend=backend)
+    _, group = token_groups(pp_groups, timeout_s=opts.join_timeout_s, backend=backend)
     if opts.emulate is not None:
         emulate(group, opts.emulate, abort_hang_s=twin_abort_hang_s())
     gather = dist.new_group(list(range(world.world_size)),
                             timeout=datetime.timedelta(seconds=opts.join_timeout_s))
     gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))
-    index = next(i for i, ranks in enumerate(layout) if world.rank in ranks)
-    role = "last" if layout[index][-1] == world.rank else "recv"
+    index = next(i for i, ranks in enumerate(pp_groups) if world.rank in ranks)
+    role = "last" if pp_groups[index][-1] == world.rank else "recv"
     set_process_name(f"ppsync r{world.rank} {role}")  # what `ps -e` and `top` show
-    board = FailureBoard(store, ranks=layout[index], me=world.rank)
+    board = FailureBoard(store, ranks=pp_groups[index], me=world.rank)
     progress = None
     if opts.progress_s is not None and world.rank == 0:
         progress = Progress(opts.steps, opts.progress_s, drain=config.depth)
@@ -196,6 +196,6 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     ranks = [r for r in reports if r is not None]
     return RunReport(
         config=config, steps=opts.steps, seed=opts.seed,
-        mode="sync" if opts.backend is None else "async",
-        world_size=world.world_size, ranks=ranks, backend=opts.backend, emulate=opts.emulate,
+        mode="sync" if opts.framework is None else "async",
+        world_size=world.world_size, ranks=ranks, framework=opts.framework, emulate=opts.emulate,
     )

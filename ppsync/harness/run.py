@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ppsync.core.groups import pipeline_layout
+from ppsync.core.wire.groups import pipeline_groups
 from ppsync.errors import RankFailed, Stopped, SyncTimeout
-from ppsync.harness.driver import Backend
+from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import spawn_world
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.step_board import StepBoard
@@ -33,7 +33,7 @@ def run_local(
     *,
     steps: int,
     seed: int = 0,
-    backend: Backend | None = None,
+    framework: Framework | None = None,
     jitter_us: float = 0.0,
     knobs: dict[str, object] | None = None,
     world_size: int | None = None,
@@ -46,10 +46,10 @@ def run_local(
     """Spawn ``world_size`` (default ``config.pp_size``) gloo ranks on
     127.0.0.1, each running the rank code of ``ppsync run``
     (:func:`~ppsync.harness.rank.run_rank`), ``steps`` steps of the workload
-    through the synchronous token path (``backend`` None) or the anyio services
-    on ``backend``, and report. ``dump_dir``: the ranks dump their flight
-    records there (ppsync.core.dump_on_error). ``emulate``: "nccl" makes the token
-    groups behave as NCCL's (ppsync.core.completion.twin).
+    through the synchronous token path (``framework`` None) or the anyio services
+    on ``framework``, and report. ``dump_dir``: the ranks dump their flight
+    records there (ppsync.core.recorder.on_error). ``emulate``: "nccl" makes the token
+    groups behave as NCCL's (ppsync.core.wire.completion.twin).
 
     No bound is put on the whole run: a rank that completes no step for
     ``config.timeout_s`` + :data:`STALL_GRACE_S` is ended as stuck (and
@@ -57,11 +57,11 @@ def run_local(
     stopped or is ended raises (:class:`RankFailed`, :class:`Stopped`,
     :class:`SyncTimeout`); with ``keep_partial`` it returns instead a report
     of what every rank had checked by then, ``ended`` saying why."""
-    opts = RunOptions(steps, seed, backend, jitter_us, dict(knobs or {}), progress_s,
+    opts = RunOptions(steps, seed, framework, jitter_us, dict(knobs or {}), progress_s,
                       emulate=emulate)
     target = functools.partial(run_rank, config, opts)
     world = config.pp_size if world_size is None else world_size
-    layout = pipeline_layout(world, config.pp_size)  # a bad ratio fails here, before any process
+    pp_groups = pipeline_groups(world, config.pp_size)  # a bad ratio fails here, before any process
     env = {} if dump_dir is None else {DUMP_DIR_ENV: str(dump_dir)}
     board = StepBoard(world)
     stall_s = config.timeout_s + STALL_GRACE_S
@@ -74,23 +74,23 @@ def run_local(
     except (RankFailed, SyncTimeout, Stopped) as e:
         if not keep_partial:
             raise
-        return partial_report(config, opts, layout, board, f"{type(e).__name__}: {e}")
+        return partial_report(config, opts, pp_groups, board, f"{type(e).__name__}: {e}")
 
 
-def partial_report(config: SyncConfig, opts: RunOptions, layout: list[list[int]],
+def partial_report(config: SyncConfig, opts: RunOptions, pp_groups: list[list[int]],
                    board: StepBoard, ended: str) -> RunReport:
     """The report of a run ended early: every rank's last values on the
     board (what it had checked), ``ended`` saying why."""
     ranks = []
-    for index, group in enumerate(layout):
+    for index, group in enumerate(pp_groups):
         for i, rank in enumerate(group):
             ranks.append(RankReport.model_validate({
                 "rank": i, "global_rank": rank, "pp_group": index,
                 "role": "last" if i == len(group) - 1 else "receiver", **board.row(rank)}))
     ranks.sort(key=lambda r: r.global_rank or 0)
     return RunReport(config=config, steps=opts.steps, seed=opts.seed,
-                     mode="sync" if opts.backend is None else "async",
-                     world_size=board.world_size, ranks=ranks, backend=opts.backend,
+                     mode="sync" if opts.framework is None else "async",
+                     world_size=board.world_size, ranks=ranks, framework=opts.framework,
                      emulate=opts.emulate, ended=ended)
 
 
@@ -161,7 +161,7 @@ def verdict_line(report: RunReport) -> str:
         kernels = f"host_kernels={c.host_kernels}" + (
             f" device_kernels={c.device_kernels}" if c.codec == "device" else "")
     emulate = f" emulate={report.emulate}" if report.emulate else ""
-    mode = report.backend or report.mode
+    mode = report.framework or report.mode
     return (f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
             f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec} {kernels}"
             f"{emulate} mode={mode} -> {verdict}")

@@ -11,7 +11,7 @@ together: the microbatching a PP engine does.
 Every value the last rank "samples" is a pure function of (request, position),
 so every rank can check each delivered row exactly (``ppsync.harness.checker``).
 The workload's own rule for which rows sample is written independently of
-``ppsync.core.batch.mask`` so that each checks the other.
+``ppsync.core.rules.mask`` so that each checks the other.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ppsync.core.batch import BatchView
+from ppsync.core.rules import BatchView
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -135,7 +135,7 @@ class WorldEnv:
             # The board's own connection, so a board call stuck on a cut link never
             # holds the rendezvous' one. When the link is cut, TCPStore's client does
             # not give up, so FailureBoard bounds each call itself
-            # (ppsync.core.liveness); connecting may take as long as joining did.
+            # (ppsync.core.wire.board); connecting may take as long as joining did.
             board = TCPStore(self.master_addr, self.master_port, is_master=False,
                              timeout=datetime.timedelta(seconds=join_timeout_s))
         return PrefixStore(scope, board)

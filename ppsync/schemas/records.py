@@ -1,7 +1,7 @@
 """The step record: one step as the services report it (``last_record``).
 
 Records carry scalars and shape facts only. Arrays (tokens, counts, drafts,
-idx_mapping) are checked for dtype, shape and range by ``ppsync.core.checks``;
+idx_mapping) are checked for dtype, shape and range by ``ppsync.core.rules.checks``;
 they are never copied element by element into Python objects. (The frame's
 layout, version and flags are ppsync.core.frame.layout's.)
 """

@@ -95,7 +95,7 @@ class RunReport(BaseModel):
     """Ranks in the world: pp_size times the number of PP groups (None: pp_size)."""
     ranks: list[RankReport]
     """One entry per world rank, in world rank order."""
-    backend: Literal["asyncio", "trio"] | None = None
+    framework: Literal["asyncio", "trio"] | None = None
     """The async framework of mode "async" (None: the synchronous core)."""
     emulate: str | None = None
     """The backend whose completion semantics the token groups emulated

@@ -1,6 +1,6 @@
 """BroadcastService (last rank) and ReceiveService (every other rank).
 
-Each wraps one rank's :class:`~ppsync.core.token_path.TokenPath` for an anyio
+Each wraps one rank's :class:`~ppsync.core.path.token_path.TokenPath` for an anyio
 event loop. Inputs are checked by the core before any collective; the
 collective is issued at once from the caller's task (issuing a gloo async op
 does not block), so the issue order is the engine's call order on every
@@ -8,10 +8,10 @@ rank. Each step's :class:`~ppsync.schemas.StepRecord` is kept as the values
 the core checked and built (and validated) only when ``last_record`` is
 read: a pydantic model per step would cost the hot path for nothing.
 Nothing here blocks the loop: every wait goes through
-:func:`ppsync.services.completion.await_work`.
+:func:`ppsync.services.awaiting.await_work`.
 
 One task per rank calls a service's methods, in the engine order of
-``ppsync.core.token_path``.
+``ppsync.core.path.token_path``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import anyio.lowlevel
 import torch
 from anyio.abc import TaskStatus
 
-from ppsync.core.batch import BatchView
-from ppsync.core.checks import check_draft_target
-from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import role_error
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.path.names import role_error
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.rules.checks import check_draft_target
 from ppsync.schemas.records import StepRecord
-from ppsync.services.completion import await_path_work
+from ppsync.services.awaiting import await_path_work
 from ppsync.services.watcher import Issued, Watcher
 
 

@@ -35,15 +35,15 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
-from ppsync.core.dump_writer import dumps_pending
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import CallNames
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.path.names import CallNames
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.recorder.writer import dumps_pending
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.board import FailureBoard
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.completion import await_work
+from ppsync.services.awaiting import await_work
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 
 SERVICE_NAMES = CallNames(consume="take", post="post", publish="publish")
@@ -137,7 +137,7 @@ async def open_rank(
 ) -> AsyncIterator[Rank]:
     """Open this rank's token path over ``group`` (the dedicated token group)
     and run its service in a task group for the duration of the block.
-    ``board``: see :class:`~ppsync.core.liveness.FailureBoard`; ``device``:
+    ``board``: see :class:`~ppsync.core.wire.board.FailureBoard`; ``device``:
     where the device codec's frames live (see :class:`TokenPath`)."""
     path = TokenPath(config, group, board=board, names=SERVICE_NAMES, wait_handshake=False,
                      device=device)

@@ -23,8 +23,8 @@ import anyio
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
-from ppsync.core.token_path import TokenPath
-from ppsync.services.completion import await_path_work
+from ppsync.core.path.token_path import TokenPath
+from ppsync.services.awaiting import await_path_work
 
 
 @dataclass(frozen=True, slots=True)

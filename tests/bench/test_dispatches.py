@@ -7,7 +7,7 @@ import pytest
 
 from ppsync.bench.dispatches import SCHEMES, call_targets, count_all, main
 from ppsync.bench.fresh import in_fresh_process
-from ppsync.core.device_kernels import triton_error
+from ppsync.core.codec.device_kernels import triton_error
 
 TRITON = triton_error()
 

@@ -23,7 +23,7 @@ from ppsync.bench import gpu_stream_checks as stream_checks
 from ppsync.bench import gpu_workload_checks as workload
 from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.gpu_steps import format_timing, sync_guard_live, time_schemes, timing_verdict
-from ppsync.core.device_kernels import triton_error
+from ppsync.core.codec.device_kernels import triton_error
 from ppsync.errors import RankFailed
 from ppsync.harness.launcher import spawn_ranks
 

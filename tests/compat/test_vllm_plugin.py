@@ -68,7 +68,7 @@ def test_entry_point_is_declared_and_nothing_pulls_vllm_or_a_torch() -> None:
     requires = meta.get_all("Requires-Dist") or []
     assert [r for r in requires if r.lower().startswith("vllm")] == []
     (torch_req,) = [Requirement(r) for r in requires if r.startswith("torch")]
-    # the range the supported vLLM releases pin (ppsync.core.torch_support)
+    # the range the supported vLLM releases pin (ppsync.core.wire.torch_support)
     assert torch_req.specifier == SpecifierSet(">=2.11,<2.15"), torch_req
 
 

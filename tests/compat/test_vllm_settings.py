@@ -35,8 +35,8 @@ from ppsync.compat.vllm.settings import (
     plugin_settings,
     settings_from_env,
 )
-from ppsync.core.device_kernels import triton_error
-from ppsync.core.host_kernels import numba_error
+from ppsync.core.codec.cpu_kernels import numba_error
+from ppsync.core.codec.device_kernels import triton_error
 from ppsync.errors import BatchError, ConfigError, PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from helpers import decode_view
 
 from ppsync.cli import main
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import BatchError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

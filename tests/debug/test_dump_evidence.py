@@ -32,9 +32,9 @@ from rank_procs import RankProcs, free_port, rank_env
 from test_dump_faults import _run, _show
 
 from ppsync.cli import main
-from ppsync.core.batch import BatchView
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.groups import token_group
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ppsync.cli import main
-from ppsync.core.batch import BatchView
-from ppsync.core.groups import token_group
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.groups import token_group
 from ppsync.debug.cli import SHOW_EXIT
 from ppsync.debug.load import validate_file, validators
 from ppsync.errors import PPSyncError, RankFailed
@@ -128,14 +128,14 @@ async def _async_kill_loop(group: dist.ProcessGroup, board: FailureBoard, env: R
                 await rank.post(_view(t))
 
 
-def _rank(case: Case, out: Path, env: RankEnv, backend: str | None = None) -> None:
+def _rank(case: Case, out: Path, env: RankEnv, framework: str | None = None) -> None:
     watchdog(TIMEOUT_S + 12)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     board = env.failure_board(group)
     error: PPSyncError | None = None
-    if backend is not None:
+    if framework is not None:
         try:
-            anyio.run(_async_kill_loop, group, board, env, out, backend=backend)
+            anyio.run(_async_kill_loop, group, board, env, out, backend=framework)
         except PPSyncError as e:
             error = e
     else:
@@ -165,11 +165,11 @@ def _kill_stopped_victim(out: Path) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _run(case: Case, tmp_path: Path, backend: str | None = None) -> Path:
-    """Run the case (through the services on ``backend``: kill only);
+def _run(case: Case, tmp_path: Path, framework: str | None = None) -> Path:
+    """Run the case (through the services on ``framework``: kill only);
     return the dump directory."""
     dumps = tmp_path / "dumps"
-    target = functools.partial(_rank, case, tmp_path, backend=backend)
+    target = functools.partial(_rank, case, tmp_path, framework=framework)
     env = {DUMP_DIR_ENV: str(dumps)}
     if case in ("kill", "stop"):
         with pytest.raises(RankFailed) as info:
@@ -235,14 +235,14 @@ def _survivors_dumped_in_time(tmp_path: Path, fault_at: float) -> dict[int, dict
     return seen
 
 
-@pytest.mark.parametrize(("case", "backend"),
+@pytest.mark.parametrize(("case", "framework"),
                          [("kill", None), ("stop", None), ("kill", "asyncio")],
                          ids=["kill", "stop", "kill-asyncio"])
 def test_lost_or_silent_middle_rank_is_named(
-    case: Case, backend: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    case: Case, framework: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    dumps = _run(case, tmp_path, backend)
-    if backend is not None:
+    dumps = _run(case, tmp_path, framework)
+    if framework is not None:
         asked = tmp_path / "asked-rank0.jsonl"
         assert validate_file(asked, validators()) == []
         assert json.loads(asked.read_text().splitlines()[0])["reason"] == "request"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PeerLost, SyncTimeout
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

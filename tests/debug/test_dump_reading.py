@@ -23,8 +23,8 @@ import pytest
 import torch.distributed as dist
 
 from ppsync.cli import main
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.groups import token_group
 from ppsync.debug.cli import SHOW_EXIT
 from ppsync.debug.load import MAX_DUMP_BYTES
 from ppsync.errors import PeerLost

@@ -31,9 +31,9 @@ from helpers import engine_step, sync_engine_step
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from twin_mode import Mode, in_mode, mode_group
 
-from ppsync.core.groups import token_group
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError
 from ppsync.harness.driver import StepLoop, workload_config
 from ppsync.schemas.config import SyncConfig

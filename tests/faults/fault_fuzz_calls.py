@@ -19,7 +19,7 @@ import torch
 from fault_fuzz_inputs import Bad, bad_int, fingerprint, int_tensor, view_bads
 from hypothesis import strategies as st
 
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv
 

@@ -38,10 +38,10 @@ from fault_fuzz_inputs import Bad, collect, replace_field
 from twin_mode import Mode, check_engine_stream, mode_group
 
 from ppsync.compat.vllm import PPHandler
-from ppsync.core.batch import BatchView
-from ppsync.core.device_kernels import triton_error
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.device_kernels import triton_error
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

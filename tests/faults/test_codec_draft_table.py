@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_codec_differential import MAX_NUM_REQS, VARIANTS, _variants, variant_path
 
-from ppsync.core.batch import BatchView
+from ppsync.core.rules import BatchView
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 

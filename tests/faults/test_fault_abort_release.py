@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
-from ppsync.core.completion import emulate
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.completion import emulate
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

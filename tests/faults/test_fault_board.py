@@ -27,9 +27,9 @@ import torch.distributed as dist
 from fault_tools import watchdog, write_json
 from helpers import engine_step, sync_engine_step
 
-from ppsync.core.groups import token_group
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.driver import StepLoop, run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -134,17 +134,17 @@ async def _leaving_engine(config: SyncConfig, group: dist.ProcessGroup, leaver: 
     return "", None, 0.0
 
 
-def _leaving_rank(leaver: int, backend: str, env: RankEnv) -> tuple[str, int | None, float]:
+def _leaving_rank(leaver: int, framework: str, env: RankEnv) -> tuple[str, int | None, float]:
     group = _group()
     return anyio.run(_leaving_engine, _config(), group, leaver, env.failure_board(group),
-                     backend=backend)
+                     backend=framework)
 
 
-@pytest.mark.parametrize(("leaver", "backend"), [(0, "asyncio"), (2, "trio")])
+@pytest.mark.parametrize(("leaver", "framework"), [(0, "asyncio"), (2, "trio")])
 def test_a_rank_leaving_by_an_exception_is_named_by_its_peers_at_once(
-    leaver: int, backend: str
+    leaver: int, framework: str
 ) -> None:
-    results = spawn_ranks(functools.partial(_leaving_rank, leaver, backend), PP_SIZE,
+    results = spawn_ranks(functools.partial(_leaving_rank, leaver, framework), PP_SIZE,
                           timeout_s=TIMEOUT_S)
     for rank, (error, peer, after_s) in enumerate(results):
         if rank == leaver:

@@ -10,7 +10,7 @@ request slots rotate from step to step (every row needs a sample). From step
 - ``skipped``: it skips step ``DIVERGE_AT`` entirely (no consume, no post), so
   from then on each of its receives pairs with the sender's previous frame;
 - ``spec``: another K in its SyncConfig, which the start-up configuration
-  handshake (ppsync.core.handshake) catches on every rank before any frame.
+  handshake (ppsync.core.path.handshake) catches on every rank before any frame.
 
 In the fixed wire mode the divergent receiver's header check raises; the
 other ranks stop on a transfer that cannot complete (or on the divergent
@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 from fault_tools import watchdog, write_json
 
-from ppsync.core.batch import BatchView
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig, WireMode

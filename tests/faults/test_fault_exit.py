@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore
 
-from ppsync.core.torch_support import torch_release
+from ppsync.core.wire.torch_support import torch_release
 
 SCRIPT = Path(__file__).with_name("exit_rank.py")
 GLOO_ABORTS_AT_EXIT = torch_release(str(torch.__version__)) < (2, 13)

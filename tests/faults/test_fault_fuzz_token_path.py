@@ -70,11 +70,11 @@ from fault_fuzz_inputs import Bad, collect, int_tensor, replace_field, uniform
 from fault_tools import watchdog
 from hypothesis import strategies as st
 
-from ppsync.core.batch import BatchView
-from ppsync.core.batch.facts import batch_facts
-from ppsync.core.groups import token_group
-from ppsync.core.records import PreparedStep
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.records import PreparedStep
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.rules.facts import batch_facts
+from ppsync.core.wire.groups import token_group
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 from twin_mode import Mode, in_mode, mode_group
 
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

@@ -18,10 +18,10 @@ import pytest
 import torch.distributed as dist
 from fault_tools import watchdog
 
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.groups import token_group
 from ppsync.harness.driver import (
-    Backend,
+    Framework,
     run_async_rank_blocking,
     run_sync_rank,
     workload_config,
@@ -59,12 +59,12 @@ def _check_exact(reports: list[RankReport]) -> None:
         assert r.rows_expected <= last.rows_sent, r
 
 
-@pytest.mark.parametrize("backend", [None, "asyncio"], ids=["sync", "asyncio"])
-def test_jittery_ranks_deliver_exactly(backend: Backend | None) -> None:
-    report = run_local(CONFIG, steps=STEPS, seed=SEED, backend=backend, jitter_us=JITTER_US,
+@pytest.mark.parametrize("framework", [None, "asyncio"], ids=["sync", "asyncio"])
+def test_jittery_ranks_deliver_exactly(framework: Framework | None) -> None:
+    report = run_local(CONFIG, steps=STEPS, seed=SEED, framework=framework, jitter_us=JITTER_US,
                        knobs=KNOBS)
     assert report.ok, report
-    assert report.mode == ("sync" if backend is None else "async")
+    assert report.mode == ("sync" if framework is None else "async")
     _check_exact(report.ranks)
 
 
@@ -76,15 +76,15 @@ def _pauses_s(rank: int, jitter_us: float) -> float:
     return float(draws.sum()) / 1e6
 
 
-def _one_slow_rank(backend: Backend | None, slow: int, env: RankEnv) -> RankReport:
+def _one_slow_rank(framework: Framework | None, slow: int, env: RankEnv) -> RankReport:
     watchdog(TIMEOUT_S + 8)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     board = env.failure_board(group)
     wcfg = workload_config(CONFIG, steps=STEPS, seed=SEED, **KNOBS)
     jitter = SLOW_US if env.rank == slow else 0.0
-    if backend is None:
+    if framework is None:
         return run_sync_rank(TokenPath(CONFIG, group, board=board), wcfg, jitter_us=jitter)
-    return run_async_rank_blocking(CONFIG, group, wcfg, backend, board, jitter)
+    return run_async_rank_blocking(CONFIG, group, wcfg, framework, board, jitter)
 
 
 ONE_SLOW = [
@@ -94,9 +94,9 @@ ONE_SLOW = [
 ]
 
 
-@pytest.mark.parametrize(("backend", "slow"), ONE_SLOW)
-def test_one_slow_rank_delivers_exactly(backend: Backend | None, slow: int) -> None:
-    reports = spawn_ranks(functools.partial(_one_slow_rank, backend, slow), PP_SIZE,
+@pytest.mark.parametrize(("framework", "slow"), ONE_SLOW)
+def test_one_slow_rank_delivers_exactly(framework: Framework | None, slow: int) -> None:
+    reports = spawn_ranks(functools.partial(_one_slow_rank, framework, slow), PP_SIZE,
                           timeout_s=TIMEOUT_S)
     _check_exact(reports)
     # the slow rank really was slow: its loop slept at least its pauses

@@ -43,11 +43,11 @@ from helpers import engine_step, sync_engine_step
 from twin_mode import Mode as CompletionMode
 from twin_mode import in_mode, mode_group
 
-from ppsync.core.groups import token_group
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
-from ppsync.harness.driver import Backend, StepLoop, workload_config
+from ppsync.harness.driver import Framework, StepLoop, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
@@ -61,7 +61,7 @@ CONFIG = SyncConfig.build(
     pp_size=PP_SIZE, max_num_reqs=16, num_speculative_steps=2, timeout_s=TIMEOUT_S
 )
 
-Mode = Literal["sync"] | Backend
+Mode = Literal["sync"] | Framework
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ terminates the process when it fires (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``).
 
 A receiver posts a receive, then its engine idles past that timeout before
 the consume, while the last rank is SIGSTOPped. ppsync bounds the transfer
-from its post (ppsync.core.completion.guard), so the consume raises
+from its post (ppsync.core.wire.completion.guard), so the consume raises
 ppsync's SyncTimeout naming the stopped rank, and the watchdog never kills
 the receiver. (Bounded from the consume alone, as before, the watchdog
 terminated the receiver 31 s after the post.)
@@ -25,10 +25,10 @@ import pytest
 import torch.distributed as dist
 from helpers import decode_view
 
-from ppsync.core.completion import emulate
-from ppsync.core.completion.base import NCCL_TIMEOUT_MARGIN_S
-from ppsync.core.groups import token_group
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.completion import emulate
+from ppsync.core.wire.completion.base import NCCL_TIMEOUT_MARGIN_S
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig

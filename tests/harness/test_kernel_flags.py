@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ppsync.cli import main
-from ppsync.core.device_kernels import triton_error
-from ppsync.core.host_kernels import numba_error
+from ppsync.core.codec.cpu_kernels import numba_error
+from ppsync.core.codec.device_kernels import triton_error
 from ppsync.schemas.report import RunReport
 
 NO_NUMBA = pytest.mark.skipif(numba_error() is not None, reason="numba cannot be loaded here")

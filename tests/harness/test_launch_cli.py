@@ -14,7 +14,7 @@ import pytest
 import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
-from ppsync.harness.driver import Backend
+from ppsync.harness.driver import Framework
 from ppsync.harness.run import format_table, run_local
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport, RunReport
@@ -58,13 +58,13 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     assert last.rows_sent == receiver.rows_delivered + receiver.excluded
 
 
-@pytest.mark.parametrize("backend", [None, "trio"])
-def test_sent_is_delivered_plus_excluded_on_every_receiver(backend: Backend | None) -> None:
+@pytest.mark.parametrize("framework", [None, "trio"])
+def test_sent_is_delivered_plus_excluded_on_every_receiver(framework: Framework | None) -> None:
     """Every row the last rank sends is either delivered or excluded because
     its request slot was freed while the step was in flight (P = 3, D = 3)."""
     config = SyncConfig.build(pp_size=3, max_num_reqs=8, num_speculative_steps=2,
                               timeout_s=20.0)
-    report = run_local(config, steps=300, seed=1, backend=backend)
+    report = run_local(config, steps=300, seed=1, framework=framework)
     *receivers, last = report.ranks
     assert report.ok, report
     for r in receivers:
@@ -78,18 +78,18 @@ def test_sent_is_delivered_plus_excluded_on_every_receiver(backend: Backend | No
     assert (values["sent"], values["excluded"]) == ("-", str(receivers[0].excluded))
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
 def test_launch_async_reports_async_mode(
-    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    framework: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "report.json"
     argv = ["launch", "--pp-size", "2", "--steps", "40", "--max-num-reqs", "8", "--wire",
-            "exact", "--async", backend, "--timeout", "20", "--report", str(path)]
+            "exact", "--async", framework, "--timeout", "20", "--report", str(path)]
     assert main(argv) == 0
-    assert re.search(rf"wire=exact codec=host host_kernels=(numba|numpy) mode={backend} -> OK",
+    assert re.search(rf"wire=exact codec=host host_kernels=(numba|numpy) mode={framework} -> OK",
                      capsys.readouterr().out)
     report = RunReport.model_validate_json(path.read_text())
-    assert report.mode == "async" and report.backend == backend and report.ok
+    assert report.mode == "async" and report.framework == framework and report.ok
     assert report.ranks[0].rows_delivered == report.ranks[0].rows_expected > 0
 
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ppsync.core.batch import validate_batch
-from ppsync.core.batch.mask import need_sampled_mask
+from ppsync.core.rules import validate_batch
+from ppsync.core.rules.mask import need_sampled_mask
 from ppsync.harness.workload import (
     SALT_DRAFT,
     ScheduledStep,

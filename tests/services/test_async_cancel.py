@@ -30,9 +30,9 @@ import torch.distributed as dist
 from helpers import decode_view, engine_step
 from twin_mode import Mode, in_mode, mode_group
 
-from ppsync.core.groups import token_group
+from ppsync.core.wire.groups import token_group
 from ppsync.errors import PeerLost
-from ppsync.harness.driver import Backend, StepLoop, workload_config
+from ppsync.harness.driver import Framework, StepLoop, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
@@ -108,12 +108,12 @@ async def _engine(
 
 
 def _cancel_rank(
-    config: SyncConfig, stops: list[Stop], backend: Backend, mode: Mode, env: RankEnv
+    config: SyncConfig, stops: list[Stop], framework: Framework, mode: Mode, env: RankEnv
 ) -> CancelReport:
     group = mode_group(_group(config), mode)
     before = _threads()
     try:
-        result, left = anyio.run(_engine, config, group, stops[env.rank], backend=backend)
+        result, left = anyio.run(_engine, config, group, stops[env.rank], backend=framework)
         after = _threads()
     finally:
         dist.barrier()  # world group: nobody exits while a peer is still inside
@@ -134,7 +134,7 @@ PLANS: dict[str, list[Stop]] = {
     # pending on a receiver that stopped
     "p2-receiver-first": [Stop(20, 2.0), Stop(MAX_STEPS, 0.8)],
 }
-CANCEL_CASES: list[tuple[str, Backend, Mode]] = [
+CANCEL_CASES: list[tuple[str, Framework, Mode]] = [
     ("last-first", "asyncio", "gloo"),
     ("receivers-first", "trio", "gloo"),
     ("p2-receiver-first", "asyncio", "gloo"),
@@ -144,8 +144,8 @@ CANCEL_CASES: list[tuple[str, Backend, Mode]] = [
 ]
 
 
-@pytest.mark.parametrize(("plan", "backend", "mode"), CANCEL_CASES)
-def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend,
+@pytest.mark.parametrize(("plan", "framework", "mode"), CANCEL_CASES)
+def test_cancelled_engine_leaves_open_rank_at_once(plan: str, framework: Framework,
                                                    mode: Mode) -> None:
     stops = PLANS[plan]
     pp_size = len(stops)
@@ -153,7 +153,7 @@ def test_cancelled_engine_leaves_open_rank_at_once(plan: str, backend: Backend,
                      mode)
     # spawn_ranks returning at all means no rank hung inside open_rank
     results = spawn_ranks(
-        functools.partial(_cancel_rank, config, stops, backend, mode), pp_size,
+        functools.partial(_cancel_rank, config, stops, framework, mode), pp_size,
         timeout_s=TIMEOUT_S
     )
     for rank, (stop, r) in enumerate(zip(stops, results, strict=True)):
@@ -202,10 +202,10 @@ async def _failing_body(config: SyncConfig, group: dist.ProcessGroup) -> None:
             await engine_step(rank, loop, t)
 
 
-def _failing_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> tuple[str, str]:
+def _failing_rank(config: SyncConfig, framework: Framework, env: RankEnv) -> tuple[str, str]:
     group = _group(config)
     try:
-        anyio.run(_failing_body, config, group, backend=backend)
+        anyio.run(_failing_body, config, group, backend=framework)
     except Exception as e:  # an ExceptionGroup would land here too, under its own name
         return type(e).__name__, str(e)
     finally:
@@ -213,11 +213,11 @@ def _failing_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> tuple[s
     return "", "the body did not raise"
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_body_error_leaves_open_rank_as_itself(backend: Backend) -> None:
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_body_error_leaves_open_rank_as_itself(framework: Framework) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, timeout_s=TIMEOUT_S)
     results = spawn_ranks(
-        functools.partial(_failing_rank, config, backend), 2, timeout_s=TIMEOUT_S
+        functools.partial(_failing_rank, config, framework), 2, timeout_s=TIMEOUT_S
     )
     for rank, (kind, message) in enumerate(results):
         # the ValueError itself, not an ExceptionGroup around it
@@ -267,15 +267,15 @@ async def _retake(config: SyncConfig, group: dist.ProcessGroup) -> Retake | None
         )
 
 
-def _retake_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> Retake | None:
-    return anyio.run(_retake, config, _group(config), backend=backend)
+def _retake_rank(config: SyncConfig, framework: Framework, env: RankEnv) -> Retake | None:
+    return anyio.run(_retake, config, _group(config), backend=framework)
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_take_cancelled_while_waiting_consumes_nothing(backend: Backend) -> None:
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_take_cancelled_while_waiting_consumes_nothing(framework: Framework) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=8, ring_depth=1, timeout_s=TIMEOUT_S)
     receiver, last = spawn_ranks(
-        functools.partial(_retake_rank, config, backend), 2, timeout_s=TIMEOUT_S
+        functools.partial(_retake_rank, config, framework), 2, timeout_s=TIMEOUT_S
     )
     assert last is None
     assert receiver is not None
@@ -321,15 +321,15 @@ async def _idle_loop(config: SyncConfig, group: dist.ProcessGroup) -> tuple[int,
     return after_cancel, beats
 
 
-def _idle_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> tuple[int, int]:
-    return anyio.run(_idle_loop, config, _group(config), backend=backend)
+def _idle_rank(config: SyncConfig, framework: Framework, env: RankEnv) -> tuple[int, int]:
+    return anyio.run(_idle_loop, config, _group(config), backend=framework)
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_idle_steps_are_checkpoints(backend: Backend) -> None:
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_idle_steps_are_checkpoints(framework: Framework) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=8, ring_depth=1, timeout_s=TIMEOUT_S)
     results = spawn_ranks(
-        functools.partial(_idle_rank, config, backend), 2, timeout_s=TIMEOUT_S
+        functools.partial(_idle_rank, config, framework), 2, timeout_s=TIMEOUT_S
     )
     for rank, (after_cancel, beats) in enumerate(results):
         # the cancel takes effect at the next ppsync call ...

@@ -3,7 +3,7 @@ once and intact on every receiver, on asyncio and on trio.
 
 Each rank process runs its own ``anyio.run`` (through
 ``run_async_rank_blocking``, as ``ppsync launch --async`` does), so the event
-loop backend is a parameter of the rank target, not the anyio_backend
+loop framework is a parameter of the rank target, not the anyio_backend
 fixture. Every run is bounded by ``spawn_ranks(timeout_s=...)``.
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 from twin_mode import Mode, check_engine_stream, in_mode, mode_group
 
-from ppsync.core.groups import token_group
-from ppsync.harness.driver import Backend, run_async_rank_blocking, workload_config
+from ppsync.core.wire.groups import token_group
+from ppsync.harness.driver import Framework, run_async_rank_blocking, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.report import RankReport
@@ -40,20 +40,20 @@ KNOBS: dict[str, object] = {
 
 
 
-def _delivery_rank(config: SyncConfig, backend: Backend, mode: Mode,
+def _delivery_rank(config: SyncConfig, framework: Framework, mode: Mode,
                    env: RankEnv) -> RankReport:
     # as ppsync.harness.run._rank does: a token group, a failure board in the
-    # parent's store, the anyio services under anyio.run on ``backend``
+    # parent's store, the anyio services under anyio.run on ``framework``
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
     mode_group(group, mode)
     wcfg = workload_config(config, steps=STEPS, seed=SEED, **KNOBS)
-    report = run_async_rank_blocking(config, group, wcfg, backend, env.failure_board(group))
+    report = run_async_rank_blocking(config, group, wcfg, framework, env.failure_board(group))
     check_engine_stream(mode)
     return report
 
 
-# (P, K, D or 0 for pp_size, backend, completion mode)
-CASES: list[tuple[int, int, int, Backend, Mode]] = [
+# (P, K, D or 0 for pp_size, framework, completion mode)
+CASES: list[tuple[int, int, int, Framework, Mode]] = [
     (2, 0, 0, "asyncio", "gloo"),
     (2, 3, 0, "trio", "gloo"),
     (2, 3, 1, "asyncio", "gloo"),
@@ -66,19 +66,19 @@ CASES: list[tuple[int, int, int, Backend, Mode]] = [
 
 
 @pytest.mark.parametrize(
-    ("pp_size", "spec", "ring_depth", "backend", "mode"),
+    ("pp_size", "spec", "ring_depth", "framework", "mode"),
     CASES,
     ids=[f"P{p}-K{k}-D{d or p}-{b}-{m}" for p, k, d, b, m in CASES],
 )
 def test_async_services_deliver_exactly_once(
-    pp_size: int, spec: int, ring_depth: int, backend: Backend, mode: Mode
+    pp_size: int, spec: int, ring_depth: int, framework: Framework, mode: Mode
 ) -> None:
     config = in_mode(SyncConfig.build(
         pp_size=pp_size, max_num_reqs=16, num_speculative_steps=spec,
         ring_depth=ring_depth or None, timeout_s=TIMEOUT_S,
     ), mode)
     reports = spawn_ranks(
-        functools.partial(_delivery_rank, config, backend, mode), pp_size, timeout_s=TIMEOUT_S
+        functools.partial(_delivery_rank, config, framework, mode), pp_size, timeout_s=TIMEOUT_S
     )
 
     assert [r.rank for r in reports] == list(range(pp_size))

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from helpers import decode_view
 from twin_mode import Mode, in_mode, mode_group
 
-from ppsync.core.groups import token_group
-from ppsync.harness.driver import Backend
+from ppsync.core.wire.groups import token_group
+from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import Rank, open_rank
@@ -107,18 +107,18 @@ async def _bad_calls(config: SyncConfig, group: dist.ProcessGroup) -> list[tuple
 
 
 def _bad_calls_rank(
-    config: SyncConfig, backend: Backend, env: RankEnv
+    config: SyncConfig, framework: Framework, env: RankEnv
 ) -> list[tuple[str, Outcome]]:
-    return anyio.run(_bad_calls, config, _group(config), backend=backend)
+    return anyio.run(_bad_calls, config, _group(config), backend=framework)
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_wrong_role_and_bad_input_raise_before_any_collective(backend: Backend) -> None:
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_wrong_role_and_bad_input_raise_before_any_collective(framework: Framework) -> None:
     config = SyncConfig.build(
         pp_size=2, max_num_reqs=MAX_NUM_REQS, ring_depth=1, timeout_s=TIMEOUT_S
     )
     receiver, last = spawn_ranks(
-        functools.partial(_bad_calls_rank, config, backend), 2, timeout_s=TIMEOUT_S
+        functools.partial(_bad_calls_rank, config, framework), 2, timeout_s=TIMEOUT_S
     )
     bad = f"idx_mapping\\[1\\] = {MAX_NUM_REQS + 3} outside \\[0, max_num_reqs = {MAX_NUM_REQS}\\)"
     expect_last = [
@@ -192,22 +192,22 @@ def _threads() -> list[str]:
     return sorted(f"{t.name}:{t.ident}" for t in threading.enumerate())
 
 
-def _silence_rank(config: SyncConfig, backend: Backend, mode: Mode, env: RankEnv) -> Silence:
+def _silence_rank(config: SyncConfig, framework: Framework, mode: Mode, env: RankEnv) -> Silence:
     group = mode_group(_group(config), mode)
     before = _threads()
     main = _silent_last if env.rank == config.pp_size - 1 else _waiting_receiver
-    kind, message, after_s = anyio.run(main, config, group, backend=backend)
+    kind, message, after_s = anyio.run(main, config, group, backend=framework)
     return Silence(kind, message, after_s, before, _threads())
 
 
-@pytest.mark.parametrize(("backend", "mode"), [("asyncio", "gloo"), ("trio", "gloo"),
+@pytest.mark.parametrize(("framework", "mode"), [("asyncio", "gloo"), ("trio", "gloo"),
                                              ("asyncio", "twin"), ("trio", "twin")])
-def test_silent_peer_is_a_sync_timeout_within_timeout_s(backend: Backend, mode: Mode) -> None:
+def test_silent_peer_is_a_sync_timeout_within_timeout_s(framework: Framework, mode: Mode) -> None:
     config = in_mode(SyncConfig.build(
         pp_size=2, max_num_reqs=MAX_NUM_REQS, ring_depth=1, timeout_s=SHORT_TIMEOUT_S
     ), mode)
     receiver, last = spawn_ranks(
-        functools.partial(_silence_rank, config, backend, mode), 2, timeout_s=TIMEOUT_S
+        functools.partial(_silence_rank, config, framework, mode), 2, timeout_s=TIMEOUT_S
     )
     assert last.kind == "", last
     assert receiver.kind == "SyncTimeout", receiver

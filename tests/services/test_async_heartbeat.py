@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
-from ppsync.core.groups import token_group
-from ppsync.harness.driver import Backend
+from ppsync.core.wire.groups import token_group
+from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
@@ -92,18 +92,18 @@ async def _receiver(config: SyncConfig, group: dist.ProcessGroup) -> list[Take]:
     return takes
 
 
-def _heartbeat_rank(config: SyncConfig, backend: Backend, env: RankEnv) -> list[Take]:
+def _heartbeat_rank(config: SyncConfig, framework: Framework, env: RankEnv) -> list[Take]:
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
     main = _last if env.rank == config.pp_size - 1 else _receiver
-    return anyio.run(main, config, group, backend=backend)
+    return anyio.run(main, config, group, backend=framework)
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_loop_keeps_running_while_a_receive_waits_for_a_late_peer(backend: Backend) -> None:
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_loop_keeps_running_while_a_receive_waits_for_a_late_peer(framework: Framework) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=8, timeout_s=TIMEOUT_S)
     depth = config.depth
     takes, _ = spawn_ranks(
-        functools.partial(_heartbeat_rank, config, backend), 2, timeout_s=TIMEOUT_S
+        functools.partial(_heartbeat_rank, config, framework), 2, timeout_s=TIMEOUT_S
     )
     assert [tk.step for tk in takes] == list(range(STEPS + depth))
     # the first D takes find empty ring slots; then every step arrives exactly

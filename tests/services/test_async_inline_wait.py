@@ -1,4 +1,4 @@
-"""The async services' bounded inline wait (ppsync.services.completion).
+"""The async services' bounded inline wait (ppsync.services.awaiting).
 
 Before handing a pending transfer's wait to the event loop, the loop thread
 waits inline for it, at most ``INLINE_WAIT_S``, once per wait. On a real run
@@ -20,22 +20,22 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from ppsync.core.groups import token_group
-from ppsync.harness.driver import Backend, run_async_rank_blocking, workload_config
+from ppsync.core.wire.groups import token_group
+from ppsync.harness.driver import Framework, run_async_rank_blocking, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.services import completion
+from ppsync.services import awaiting
 
 STEPS = 800
 TIMEOUT_S = 20.0
 
 
-def _rank(backend: Backend, env: RankEnv) -> dict[str, float]:
+def _rank(framework: Framework, env: RankEnv) -> dict[str, float]:
     loop_thread = threading.get_ident()
     counts = {"reached": 0, "inline": 0, "ended_inline": 0, "off_loop": 0,
               "blocking_waits": 0, "max_bound_s": 0.0}
-    inline_wait = completion.inline_wait
-    ended_inline = completion._ended_inline
+    inline_wait = awaiting.inline_wait
+    ended_inline = awaiting._ended_inline
     work_wait = dist.Work.wait
 
     def counted_inline(flag: threading.Event, bound_s: float) -> bool:
@@ -55,28 +55,28 @@ def _rank(backend: Backend, env: RankEnv) -> dict[str, float]:
             counts["blocking_waits"] += not self.is_completed()
         return bool(work_wait(self, *args, **kwargs))  # type: ignore[arg-type]
 
-    completion.inline_wait = counted_inline
-    completion._ended_inline = counted_reach
+    awaiting.inline_wait = counted_inline
+    awaiting._ended_inline = counted_reach
     dist.Work.wait = counted_wait  # type: ignore[method-assign]
     config = SyncConfig.build(pp_size=2, max_num_reqs=64, ring_depth=1, timeout_s=TIMEOUT_S)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     wcfg = workload_config(config, steps=STEPS, seed=11, max_arrivals=8)
-    report = run_async_rank_blocking(config, group, wcfg, backend, env.failure_board(group))
+    report = run_async_rank_blocking(config, group, wcfg, framework, env.failure_board(group))
     counts["faults"] = report.lost + report.stale + report.duplicated + report.corrupt
     return counts
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_inline_waits_are_bounded_once_per_wait(backend: Backend) -> None:
-    results = spawn_ranks(functools.partial(_rank, backend), 2, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_inline_waits_are_bounded_once_per_wait(framework: Framework) -> None:
+    results = spawn_ranks(functools.partial(_rank, framework), 2, timeout_s=TIMEOUT_S)
     for rank, c in enumerate(results):
-        print(f"{backend} rank {rank}: {c['reached']} waits reached the inline stage, "
+        print(f"{framework} rank {rank}: {c['reached']} waits reached the inline stage, "
               f"{c['ended_inline']} ended inline, {c['reached'] - c['ended_inline']} handed "
               "off to the loop")
         assert c["faults"] == 0, (rank, c)
         assert c["blocking_waits"] == 0, (rank, c)
         assert c["off_loop"] == 0, (rank, c)
         assert c["inline"] == c["reached"], (rank, c)  # one bounded wait per wait, no more
-        assert 0 < c["max_bound_s"] <= completion.INLINE_WAIT_S, (rank, c)
+        assert 0 < c["max_bound_s"] <= awaiting.INLINE_WAIT_S, (rank, c)
     # the inline stage is exercised on this run (a pending transfer was awaited)
     assert sum(c["reached"] for c in results) > 0

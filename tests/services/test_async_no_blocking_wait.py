@@ -20,8 +20,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from ppsync.core.groups import token_group
-from ppsync.harness.driver import Backend, run_async_rank_blocking, workload_config
+from ppsync.core.wire.groups import token_group
+from ppsync.harness.driver import Framework, run_async_rank_blocking, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 
@@ -29,7 +29,7 @@ STEPS = 1500
 TIMEOUT_S = 20.0
 
 
-def _counting_rank(backend: Backend, env: RankEnv) -> tuple[int, int, int]:
+def _counting_rank(framework: Framework, env: RankEnv) -> tuple[int, int, int]:
     """(blocking waits on the loop thread, waits in all, faults)."""
     loop_thread = threading.get_ident()
     counts = [0, 0]
@@ -45,15 +45,15 @@ def _counting_rank(backend: Backend, env: RankEnv) -> tuple[int, int, int]:
     config = SyncConfig.build(pp_size=2, max_num_reqs=64, ring_depth=1, timeout_s=TIMEOUT_S)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
     wcfg = workload_config(config, steps=STEPS, seed=9, max_arrivals=8)
-    report = run_async_rank_blocking(config, group, wcfg, backend, env.failure_board(group))
+    report = run_async_rank_blocking(config, group, wcfg, framework, env.failure_board(group))
     faults = report.lost + report.stale + report.duplicated + report.corrupt
     return counts[0], counts[1], faults
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_no_wait_blocks_the_loop_thread(backend: Backend) -> None:
-    results = spawn_ranks(functools.partial(_counting_rank, backend), 2, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("framework", ["asyncio", "trio"])
+def test_no_wait_blocks_the_loop_thread(framework: Framework) -> None:
+    results = spawn_ranks(functools.partial(_counting_rank, framework), 2, timeout_s=TIMEOUT_S)
     for rank, (blocking, waits, faults) in enumerate(results):
-        print(f"{backend} rank {rank}: {blocking} blocking of {waits} Work.wait calls")
+        print(f"{framework} rank {rank}: {blocking} blocking of {waits} Work.wait calls")
         assert blocking == 0, (rank, blocking, waits)
         assert faults == 0, (rank, faults)

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from ppsync.bench.common import fixed_step
-from ppsync.core.groups import token_group
+from ppsync.core.wire.groups import token_group
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.records import StepRecord

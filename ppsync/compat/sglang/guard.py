@@ -5,12 +5,12 @@ A guard belongs to one PP stage (one scheduler process). It counts the
 messages of each kind it sends and receives (:meth:`SglangGuard.stamp`,
 :meth:`SglangGuard.check`), waits on gloo transfers with a deadline
 (:meth:`SglangGuard.wait`), and turns any
-failure into the board's verdict (ppsync.core.liveness): the same error
+failure into the board's verdict (ppsync.core.wire.board): the same error
 type on every stage for one cause, naming the culprit as SGLang's PP stage
 and global rank. The error is recorded in the guard's flight recorder and
-dumped (ppsync.core.dump_on_error) where ``PPSYNC_DUMP_DIR`` is set.
+dumped (ppsync.core.recorder.on_error) where ``PPSYNC_DUMP_DIR`` is set.
 
-The guard is a :class:`ppsync.core.dump_registry.Dumpable`: a dump shows each
+The guard is a :class:`ppsync.core.recorder.registry.Dumpable`: a dump shows each
 message as an event (``publish``: sent, ``post``: received; ``step``: the
 message's number on its channel; ``num_reqs``: its batch size).
 """
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ppsync.compat.sglang.digest import KINDS, Batch, StepView, check_views, view_of
-from ppsync.core.dump_on_error import dump_on_error
-from ppsync.core.dump_registry import register
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.recorder import FlightRecorder
-from ppsync.core.transport import wait_work
-from ppsync.core.waits import named_failure
+from ppsync.core.recorder.flight import FlightRecorder
+from ppsync.core.recorder.on_error import dump_on_error
+from ppsync.core.recorder.registry import register
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.transport import wait_work
+from ppsync.core.wire.waits import named_failure
 from ppsync.errors import ConfigError, DesyncError, PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
 
@@ -124,7 +124,7 @@ class SglangGuard:
         self._peer: int | None = None  # the global rank of the transfer waited on last
         register(self)
 
-    # -- what a dump reads (ppsync.core.dump_registry.Dumpable) -----------------------
+    # -- what a dump reads (ppsync.core.recorder.registry.Dumpable) -----------------------
 
     @property
     def global_rank(self) -> int:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ppsync.compat.sglang.digest import KINDS, StepView
 from ppsync.compat.sglang.guard import GuardOptions, SglangGuard
-from ppsync.core.transport import translate
+from ppsync.core.wire.transport import translate
 
 __all__ = ["HOOKS", "RECEIVE", "SEND", "VIEW_KEY", "BoundedWork", "bounded", "guard_of"]
 

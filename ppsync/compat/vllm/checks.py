@@ -10,8 +10,8 @@ from typing import TypeVar, cast
 import numpy as np
 import torch
 
-from ppsync.core.batch import batch_view_of, validate_batch
-from ppsync.core.records import PreparedStep
+from ppsync.core.codec.records import PreparedStep
+from ppsync.core.rules import batch_view_of, validate_batch
 from ppsync.errors import BatchError, ProtocolError
 
 T = TypeVar("T")

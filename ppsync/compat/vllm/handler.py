@@ -1,5 +1,5 @@
 """A drop-in for vLLM's ``PPHandler`` (Model Runner V2): what every interface
-shares, on top of :class:`ppsync.core.token_path.TokenPath`.
+shares, on top of :class:`ppsync.core.path.token_path.TokenPath`.
 
 Only the interface carries over from vLLM. Each of vLLM's handler interfaces
 is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_23, v0_25,
@@ -33,7 +33,7 @@ as the order above says: with D = 1 a receiver consumes step T's frame at the
 start of step T+1, before the last rank reaches its next ``broadcast``.
 
 An ``input_batch`` is any object with the attributes that
-:func:`ppsync.core.batch.batch_view_of` reads: ``num_reqs``, ``idx_mapping_np``,
+:func:`ppsync.core.rules.batch_view_of` reads: ``num_reqs``, ``idx_mapping_np``,
 ``num_computed_tokens_np``, ``num_scheduled_tokens``, ``prefill_len_np`` and,
 optionally, ``max_seq_len_np`` and ``is_prefilling_np`` (vLLM: ``np.intp``
 slots, ``np.int32`` counts, ``max_seq_len_np`` only when the batch holds a
@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Literal, NotRequired, TypedDict, TypeVar
 import torch
 import torch.distributed as dist
 
+from ppsync.compat.vllm.aux_relay import AuxRelay
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, rebuilt_like
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.settings import check_twin
@@ -60,17 +61,16 @@ from ppsync.compat.vllm.versions import (
     relay_keys_of,
     resolve_interface,
 )
-from ppsync.core.aux_relay import AuxRelay
-from ppsync.core.batch import BatchView
 from ppsync.core.codec import StepDrafts, default_codec, frames_home
-from ppsync.core.completion import emulate as emulate_group
-from ppsync.core.groups import strided_layout, token_group_in_layout
-from ppsync.core.liveness import FailureBoard
-from ppsync.core.platform import platform_for
-from ppsync.core.records import PreparedStep
-from ppsync.core.released import ReleasedStep
-from ppsync.core.steps import CallNames
-from ppsync.core.token_path import TokenPath
+from ppsync.core.codec.records import PreparedStep
+from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.path.names import CallNames
+from ppsync.core.path.token_path import TokenPath
+from ppsync.core.rules import BatchView
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.completion import emulate as emulate_group
+from ppsync.core.wire.groups import strided_groups, token_group_among
+from ppsync.core.wire.platform import platform_for
 from ppsync.errors import ConfigError, ProtocolError
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
 
@@ -100,9 +100,9 @@ class PPHandler:
     group with the same ranks (rule 6 of docs/design.md) the way vLLM makes
     its groups: every world rank creates every PP group's token group, in
     one order, so every world rank must construct its handler at the same
-    point (vLLM's workers all do); ``layout``: every PP group of the world
-    (None: vLLM's layout, derived from the world size and ``group``'s ranks,
-    ppsync.core.groups.strided_layout). ``ring_depth`` is D (None: pp_size, or what
+    point (vLLM's workers all do); ``pp_groups``: every PP group of the world
+    (None: vLLM's PP groups, derived from the world size and ``group``'s ranks,
+    ppsync.core.wire.groups.strided_groups). ``ring_depth`` is D (None: pp_size, or what
     :meth:`default_ring_depth` says); ``timeout_s`` bounds every wait;
     ``interface``: the vLLM interface served (see ppsync.compat.vllm.versions;
     None: the installed vLLM's), which picks the subclass this call builds;
@@ -156,7 +156,7 @@ class PPHandler:
         codec: Literal["host", "device"] | None = None,
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
-        layout: Sequence[Sequence[int]] | None = None,
+        pp_groups: Sequence[Sequence[int]] | None = None,
         emulate: Literal["nccl", "xccl"] | None = None,
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
@@ -194,10 +194,11 @@ class PPHandler:
         if emulate is not None:  # before any group is made
             check_twin(config, emulate, self.device)
         backend, platform = frames_home(codec, platform_for(self.device))
-        if layout is None:
-            layout = strided_layout(dist.get_world_size(), dist.get_process_group_ranks(pp_group))
-        tokens = token_group_in_layout(pp_group, layout, timeout_s=config.timeout_s,
-                                       backend=backend)
+        if pp_groups is None:
+            pp_groups = strided_groups(dist.get_world_size(),
+                                       dist.get_process_group_ranks(pp_group))
+        tokens = token_group_among(pp_group, pp_groups, timeout_s=config.timeout_s,
+                                   backend=backend)
         if emulate is not None:  # the same completion choice as every path's
             emulate_group(tokens, emulate)
         self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,

@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from ppsync.core.batch import BatchView, batch_view_of, validate_batch
+from ppsync.core.rules import BatchView, batch_view_of, validate_batch
 from ppsync.errors import BatchError
 
 

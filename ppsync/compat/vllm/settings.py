@@ -17,10 +17,10 @@ which a test does; vLLM does not).
 - ``PPSYNC_TIMEOUT_S``: seconds, > 0 and <= 86400: the bound on every wait
   of the token path (unset: 60);
 - ``PPSYNC_EMULATE``: ``nccl`` | ``xccl``: the token group behaves as that
-  backend's (the CPU twin, ppsync.core.completion.twin): CPU only, refused
+  backend's (the CPU twin, ppsync.core.wire.completion.twin): CPU only, refused
   in a process that sees a CUDA or XPU device, and only with the device codec;
 - ``PPSYNC_DUMP_DIR``: where a failing rank writes its flight record
-  (ppsync.core.dump_registry); checked writable here;
+  (ppsync.core.recorder.registry); checked writable here;
 - ``PPSYNC_VLLM_ON_ERROR``: ``exit`` (unset) | ``raise``: what a worker
   other than the last PP rank does when a handler call raises. vLLM's
   executor reads a step's result, and so hears of an error, only from the
@@ -46,10 +46,10 @@ from typing import Literal, cast
 import torch
 
 from ppsync.core.codec import check_frames
-from ppsync.core.completion import EMULATED, StreamOrdered
-from ppsync.core.device_kernels import resolve_device_kernels
-from ppsync.core.dump_registry import check_dump_dir
-from ppsync.core.host_kernels import resolve_host_kernels
+from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
+from ppsync.core.codec.device_kernels import resolve_device_kernels
+from ppsync.core.recorder.registry import check_dump_dir
+from ppsync.core.wire.completion import EMULATED, StreamOrdered
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
@@ -173,7 +173,7 @@ def _kernels_load(host: str, device: str, codec: str | None,
     config = SyncConfig(pp_size=1, max_num_reqs=1, host_kernels=host,  # type: ignore[arg-type]
                         device_kernels=device)  # type: ignore[arg-type]
     checks: list[tuple[str, str, Callable[[], str]]] = [
-        (ENV_HOST_KERNELS, host, lambda: resolve_host_kernels(config))]
+        (ENV_HOST_KERNELS, host, lambda: resolve_cpu_kernels(config))]
     if codec != "host":
         seen = torch.device(accelerator() or "cpu")
         checks.append((ENV_DEVICE_KERNELS, device,

@@ -10,7 +10,7 @@ import torch
 
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_recv_drafts, other_interface, step_width
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
-from ppsync.core.checks import check_width_fits
+from ppsync.core.rules.checks import check_width_fits
 from ppsync.errors import BatchError
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.v0_23 import PPHandler023
-from ppsync.core.liveness import FailureBoard
+from ppsync.core.wire.board import FailureBoard
 from ppsync.schemas.config import DEFAULT_TIMEOUT_S
 
 
@@ -43,10 +43,10 @@ class PPHandler034Cpu(PPHandler023):
         codec: Literal["host", "device"] | None = None,
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
-        layout: Sequence[Sequence[int]] | None = None,
+        pp_groups: Sequence[Sequence[int]] | None = None,
         emulate: Literal["nccl", "xccl"] | None = None,
     ) -> None:
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
                          timeout_s=timeout_s, interface=interface, board=board, codec=codec,
                          host_kernels=host_kernels, device_kernels=device_kernels,
-                         layout=layout, emulate=emulate)
+                         pp_groups=pp_groups, emulate=emulate)

@@ -11,7 +11,7 @@ too). This thread watches the receives a path has posted and not yet
 consumed: when one has been pending, not ended, for longer than
 ``timeout_s`` (or ended badly: gloo's own timeout, a connection closed)
 while no handler call is running, it makes the path's own
-error for it (:meth:`ppsync.core.group_end.GroupEnd.failed`: through the
+error for it (:meth:`ppsync.core.path.group_end.GroupEnd.failed`: through the
 failure board, naming the silent or lost rank, dumped) and hands it to
 ``on_error`` (the plugin: log it and end the worker, so that vLLM's
 executor ends the engine). It reads the ring and asks each work whether it
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ppsync.core.token_path import TokenPath
+from ppsync.core.path.token_path import TokenPath
 from ppsync.errors import PPSyncError, SyncTimeout
 
 __all__ = ["PendingWatch"]

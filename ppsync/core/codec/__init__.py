@@ -23,8 +23,8 @@ from ppsync.core.codec.base import (
 )
 from ppsync.core.codec.device import DeviceCodec
 from ppsync.core.codec.host import HostCodec
-from ppsync.core.completion import Completion
-from ppsync.core.platform import Platform
+from ppsync.core.wire.completion import Completion
+from ppsync.core.wire.platform import Platform
 from ppsync.schemas.config import SyncConfig
 
 __all__ = [

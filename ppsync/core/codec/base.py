@@ -7,7 +7,7 @@ engine's tensors live, values checked on the device and their verdicts read
 when the step's event completed). ``ppsync.core.codec.codec_for`` picks one
 from ``config.codec``; the token path and the vLLM adapter call only what is
 declared here and never ask where frames live. The rules a step's values follow (sample width,
-num_sampled, num_rejected) are in ppsync.core.checks, shared by both.
+num_sampled, num_rejected) are in ppsync.core.rules.checks, shared by both.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
-from ppsync.core.batch.facts import BatchFacts
-from ppsync.core.completion import Completion
-from ppsync.core.frame.host_frames import HostFrames
+from ppsync.core.codec.cpu_kernels import CpuKernels
+from ppsync.core.codec.records import PendingStep, PreparedStep
+from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
-from ppsync.core.host_kernels import HostKernels
-from ppsync.core.platform import Platform
-from ppsync.core.records import PendingStep, PreparedStep
-from ppsync.core.released import ReleasedStep
+from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.rules import BatchView
+from ppsync.core.rules.facts import BatchFacts
+from ppsync.core.wire.completion import Completion
+from ppsync.core.wire.platform import Platform
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import SyncConfig
 
@@ -51,14 +51,14 @@ class StepCodec(Protocol):
     values are checked there, and a bad one raises one call later."""
     device: torch.device
     """Where the frames and the engine's tensors live (CPU for the host codec)."""
-    frames: HostFrames
+    frames: NumpyFrames
     """The host frames: layout, digests, and the checks' error path."""
     buffers: BufferPool
     """Where this codec's frame buffers come from."""
     device_kernels_name: str
     """The device kernels' set ("torch", "triton"; "none": the host codec):
     every rank of a group must have the same (the handshake compares it)."""
-    kernels: HostKernels
+    kernels: CpuKernels
     """The host kernels (config.host_kernels): a step's batch facts, and
     the host codec's checks, packing and release."""
 

@@ -1,7 +1,7 @@
 """The device codec: a token path's steps where the engine's tensors live;
 streams, events, lifetimes and deferred verdicts (rule 6 of docs/design.md;
 docs/design.md section 7). Frames are packed, checked and released by the
-device kernels chosen once (ppsync.core.device_kernels: torch ops or Triton).
+device kernels chosen once (ppsync.core.codec.device_kernels: torch ops or Triton).
 
 Per step the codec itself asks torch for little: the step's host facts go
 to the device in one copy (a staging buffer, see
@@ -20,7 +20,7 @@ stream). The host reads the verdict at its next call once that event
 completed (``query()``, never a synchronize); a bad one raises BatchError
 there, one step late; the frame already carried FLAG_BAD_VALUES to the
 receivers. The frame returns to its pool once its transfer ended (the
-group's semantics judge it: ppsync.core.completion) and its verdict was read.
+group's semantics judge it: ppsync.core.wire.completion) and its verdict was read.
 
 Receivers: the receive is issued on the side stream after it waits on the
 main stream. At consume the host waits, bounded, for the transfer's end (the
@@ -47,18 +47,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
-from ppsync.core.batch.facts import BatchFacts
-from ppsync.core.checks import (
-    check_draft_table_meta,
-    check_sampled_meta,
-    check_step_drafts_meta,
-    check_width_fits,
-    value_bounds,
-)
 from ppsync.core.codec.base import Issue, StepDrafts, Wait
-from ppsync.core.completion import Completion
-from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for
+from ppsync.core.codec.cpu_kernels import cpu_kernels_for
+from ppsync.core.codec.device_kernels import DeviceKernels, Outputs, device_kernels_for
+from ppsync.core.codec.records import PendingStep, PreparedStep
+from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,
@@ -67,12 +60,19 @@ from ppsync.core.frame.device_frames import (
     V_NUM_SAMPLED,
     DeviceFrames,
 )
-from ppsync.core.frame.host_frames import HostFrames, drafts_desync
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView, Header
-from ppsync.core.host_kernels import host_kernels_for
-from ppsync.core.platform import Platform, StepEvent
-from ppsync.core.records import PendingStep, PreparedStep
-from ppsync.core.released import ReleasedStep
+from ppsync.core.frame.numpy_frames import NumpyFrames, drafts_desync
+from ppsync.core.rules import BatchView
+from ppsync.core.rules.checks import (
+    check_draft_table_meta,
+    check_sampled_meta,
+    check_step_drafts_meta,
+    check_width_fits,
+    value_bounds,
+)
+from ppsync.core.rules.facts import BatchFacts
+from ppsync.core.wire.completion import Completion
+from ppsync.core.wire.platform import Platform, StepEvent
 from ppsync.errors import BatchError, DesyncError
 from ppsync.schemas.config import SyncConfig
 
@@ -113,8 +113,8 @@ class DeviceCodec:
         self.platform = platform
         self.device = platform.device
         self.device_frames = DeviceFrames(config, platform.device)
-        self.frames: HostFrames = self.device_frames.layout
-        self.kernels = host_kernels_for(config, self.frames)  # the batch facts, on the host
+        self.frames: NumpyFrames = self.device_frames.layout
+        self.kernels = cpu_kernels_for(config, self.frames)  # the batch facts, on the host
         self.device_kernels: DeviceKernels = device_kernels_for(config, self.device_frames)
         """The frames' per-step device work (config.device_kernels)."""
         self.device_kernels_name: str = self.device_kernels.name
@@ -122,7 +122,7 @@ class DeviceCodec:
         self.side = platform.new_stream()
         self.completion = completion
         """The token group's semantics: how the side stream is ordered after
-        a transfer (ppsync.core.completion)."""
+        a transfer (ppsync.core.wire.completion)."""
         self.rank = rank
         self.src = src
         words = self.frames.staging.words

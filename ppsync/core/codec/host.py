@@ -1,5 +1,5 @@
 """The host codec: frames packed and checked on the host, by the host
-kernels chosen once (ppsync.core.host_kernels: numpy, or numba's).
+kernels chosen once (ppsync.core.codec.cpu_kernels: numpy, or numba's).
 
 Every value of a step is checked before its frame is sent (a bad one raises
 at that call, before any collective). A consume copies what it hands out of
@@ -13,20 +13,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.batch import BatchView
-from ppsync.core.batch.facts import BatchFacts
-from ppsync.core.checks import (
+from ppsync.core.codec.base import Issue, StepDrafts, Wait
+from ppsync.core.codec.cpu_kernels import cpu_kernels_for
+from ppsync.core.codec.records import PendingStep, PreparedStep
+from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.frame.layout import BufferPool, FrameView
+from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.rules import BatchView
+from ppsync.core.rules.checks import (
     check_draft_table,
     check_drafts_array,
     check_step_drafts,
     check_width_fits,
 )
-from ppsync.core.codec.base import Issue, StepDrafts, Wait
-from ppsync.core.frame.host_frames import HostFrames
-from ppsync.core.frame.layout import BufferPool, FrameView
-from ppsync.core.host_kernels import host_kernels_for
-from ppsync.core.records import PendingStep, PreparedStep
-from ppsync.core.released import ReleasedStep
+from ppsync.core.rules.facts import BatchFacts
 from ppsync.errors import BatchError
 from ppsync.schemas.config import SyncConfig
 
@@ -38,8 +38,8 @@ class HostCodec:
     device_kernels_name = "none"
 
     def __init__(self, config: SyncConfig) -> None:
-        self.frames = HostFrames(config)
-        self.kernels = host_kernels_for(config, self.frames)
+        self.frames = NumpyFrames(config)
+        self.kernels = cpu_kernels_for(config, self.frames)
         self.device = torch.device("cpu")
         self.buffers = BufferPool(self.frames)
 

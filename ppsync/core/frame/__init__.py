@@ -2,7 +2,7 @@
 
 - ``layout``: the words, columns, weights, staging regions, version and flags
   (re-exported here);
-- ``host_frames`` / ``device_frames``: ``HostFrames`` / ``DeviceFrames``,
+- ``numpy_frames`` / ``device_frames``: ``NumpyFrames`` / ``DeviceFrames``,
   frames packed and checked in numpy on the host / in torch ops on a device.
 
 The codecs that use them per step are ppsync.core.codec.

@@ -13,7 +13,7 @@ into a small staging buffer (pinned on a device) and copied to the device
 in one ``non_blocking`` copy. Device values (tokens, counts, drafts) never
 come to the host: the range checks of num_sampled / num_rejected, the -1
 padding and the checksum run on the device, in the kernel set chosen once
-(ppsync.core.device_kernels). Their outcome is a *verdict*: an int64 bit set
+(ppsync.core.codec.device_kernels). Their outcome is a *verdict*: an int64 bit set
 (``V_*``), 0 when all is well. The packer also sets FLAG_BAD_VALUES in the
 frame, so the verdict travels to every receiver. Nothing reads a device
 value on the host; the host reads a verdict's staged copy once the step's
@@ -26,16 +26,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ppsync.core.checks import value_error
-from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import HEADER_WORDS, BufferPool, FrameView, Staging
+from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.rules.checks import value_error
 from ppsync.errors import BatchError
 from ppsync.schemas.config import SyncConfig
 
 V_NUM_SAMPLED = 1
 """A num_sampled value lies outside [0, w]."""
 V_NUM_REJECTED = 2
-"""A num_rejected value lies outside its bound (ppsync.core.checks.value_bounds)."""
+"""A num_rejected value lies outside its bound (ppsync.core.rules.checks.value_bounds)."""
 V_FRAME = 4
 """The received frame disagrees with this rank's view (header, checksum,
 row facts or digest): the host codec's check names how."""
@@ -49,10 +49,10 @@ class DeviceFrames:
     """The device frames' host side for one configuration: the layout, the
     weights on the device, the staging of a step's host facts, and the error
     path. The per-step device work is a kernel set's
-    (ppsync.core.device_kernels: torch ops or Triton), chosen once."""
+    (ppsync.core.codec.device_kernels: torch ops or Triton), chosen once."""
 
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
-        self.layout = HostFrames(config)
+        self.layout = NumpyFrames(config)
         """The host frames: the layout, digests, and the error path."""
         self.device = device
         lay = self.layout

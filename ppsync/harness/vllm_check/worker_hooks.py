@@ -23,7 +23,7 @@ variable the check sets:
   For ppsync's handler the first line also says which codec, kernel sets
   and completion semantics it really runs, and on the CPU twin a line
   carries the twin's counts whenever they change
-  (ppsync.core.completion.STATS); a call that raises writes its error
+  (ppsync.core.wire.completion.STATS); a call that raises writes its error
   (type, first line, time).
 - ``PPSYNC_VLLM_CHECK_FAULT=ACTION:RANK:N`` (with the recording): the worker
   of PP rank RANK writes the time and sends itself ACTION (``kill``:
@@ -145,7 +145,7 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
     }) + "\n")
     if handler is None:
         return
-    stats = importlib.import_module("ppsync.core.completion").STATS if ours else None
+    stats = importlib.import_module("ppsync.core.wire.completion").STATS if ours else None
     if ours:  # a worker that leaves on an error (the plugin's PPSYNC_VLLM_ON_ERROR=exit)
         importlib.import_module(PPSYNC_PLUGIN).LEAVE_HOOKS.append(
             lambda call, e: write_error(out, call, e))

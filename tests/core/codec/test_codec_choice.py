@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ppsync.core.batch import BatchView, batch_facts
 from ppsync.core.codec import DeviceCodec, HostCodec, StepCodec, codec_for
-from ppsync.core.completion import HostCompleted, StreamOrdered
-from ppsync.core.platform import platform_for
+from ppsync.core.rules import BatchView, batch_facts
+from ppsync.core.wire.completion import HostCompleted, StreamOrdered
+from ppsync.core.wire.platform import platform_for
 from ppsync.errors import BatchError, ConfigError
 from ppsync.schemas.config import SyncConfig
 
@@ -40,7 +40,7 @@ def test_the_config_chooses_the_codec_and_callers_ask_the_object() -> None:
 
 
 @pytest.mark.parametrize("backend", ["nccl", "xccl"])
-def test_host_frames_on_a_device_only_backend_are_a_config_error(backend: str) -> None:
+def test_the_host_codec_on_a_device_only_backend_is_a_config_error(backend: str) -> None:
     with pytest.raises(ConfigError, match=rf"codec = 'host' frames are host buffers; the "
                        rf"token group \({backend}, stream-ordered\) takes device tensors only"):
         codec_for(_config("host"), platform_for(CPU), completion=StreamOrdered(),

@@ -7,7 +7,7 @@ for word, every field at its Columns offset and the spare column 0, and
 release the step's tokens, counts, idx and drafts as they were sent.
 
 numba compiles its kernels once for every layout (the columns are an
-argument: ppsync.core.host_kernels.jit.column_words), so the patched layout
+argument: ppsync.core.codec.cpu_kernels.jit.column_words), so the patched layout
 runs the very functions the real one does, with its own offsets; Triton's
 constexprs are part of its kernels' cache key."""
 
@@ -22,13 +22,13 @@ from test_device_frames import KERNEL_SETS, kernel_set
 from test_device_frames import pack as device_pack
 from test_device_frames import release as device_release
 
+from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
+from ppsync.core.codec.records import PendingStep
 from ppsync.core.frame import FrameView, slot_need_words
 from ppsync.core.frame import layout as layout_module
 from ppsync.core.frame.device_frames import DeviceFrames
-from ppsync.core.frame.host_frames import HostFrames
 from ppsync.core.frame.layout import Column, Columns, row_columns
-from ppsync.core.host_kernels import NumpyKernels, numba_error
-from ppsync.core.records import PendingStep
+from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.schemas.config import SyncConfig
 
 R, K, N = 8, 2, 5  # max_num_reqs, drafts, rows
@@ -79,19 +79,19 @@ def _step() -> dict[str, np.ndarray]:
     }
 
 
-def _view(frames: HostFrames, s: dict[str, np.ndarray]) -> FrameView:
+def _view(frames: NumpyFrames, s: dict[str, np.ndarray]) -> FrameView:
     facts = np.stack([slot_need_words(s["idx"], s["need"]), s["computed"]])
     return FrameView(3, N, frames.facts_digest(facts), facts[0], facts[1], W_STEP, facts)
 
 
-def _reference(frames: HostFrames, s: dict[str, np.ndarray]) -> np.ndarray:
+def _reference(frames: NumpyFrames, s: dict[str, np.ndarray]) -> np.ndarray:
     """The host numpy frame of the step, in a buffer of stale words."""
     buf = np.full(frames.words(N), 7, dtype=np.int64)
     frames.pack(buf, _view(frames, s), s["tokens"], s["ns"], s["nr"], s["drafts"])
     return buf
 
 
-def _check_follows(frames: HostFrames, buf: np.ndarray, s: dict[str, np.ndarray],
+def _check_follows(frames: NumpyFrames, buf: np.ndarray, s: dict[str, np.ndarray],
                    released: dict[str, np.ndarray], table: np.ndarray) -> None:
     """Every field at its Columns offset, the spare column 0, and the
     release what was sent."""
@@ -131,9 +131,9 @@ def test_a_declared_column_shifts_every_later_offset(spare_before: str,
 
 @pytest.mark.parametrize("kernels", HOST_SETS)
 def test_host_kernels_follow_the_declared_columns(spare_before: str, kernels: str) -> None:
-    frames = HostFrames(_config())
+    frames = NumpyFrames(_config())
     if kernels == "numba":
-        from ppsync.core.host_kernels.numba_set import NumbaKernels
+        from ppsync.core.codec.cpu_kernels.numba_set import NumbaKernels
         ks: NumpyKernels = NumbaKernels(frames)
     else:
         ks = NumpyKernels(frames)

@@ -14,8 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ppsync.core.checks import check_sampled_meta, value_bounds
-from ppsync.core.device_kernels import DeviceKernels, Outputs, device_kernels_for, triton_error
+from ppsync.core.codec.device_kernels import (
+    DeviceKernels,
+    Outputs,
+    device_kernels_for,
+    triton_error,
+)
 from ppsync.core.frame import (
     FLAG_BAD_VALUES,
     HEADER_WORDS,
@@ -31,8 +35,9 @@ from ppsync.core.frame.device_frames import (
     V_NUM_SAMPLED,
     DeviceFrames,
 )
-from ppsync.core.frame.host_frames import HostFrames
-from ppsync.core.platform import CudaPlatform, Platform, XpuPlatform, platform_for
+from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.rules.checks import check_sampled_meta, value_bounds
+from ppsync.core.wire.platform import CudaPlatform, Platform, XpuPlatform, platform_for
 from ppsync.errors import BatchError, ConfigError
 from ppsync.schemas.config import SyncConfig
 
@@ -49,7 +54,7 @@ def _step(k: int, n: int, w: int, seed: int) -> tuple[FrameView, np.ndarray, np.
     tokens = rng.integers(1 << 61, 1 << 62, (n, w)).astype(np.int64)
     ns = rng.integers(0, w + 1, n).astype(np.int32)
     nr = rng.integers(0, min(k, w - 1) + 1, n).astype(np.int32)  # a width-w step rejects < w
-    codec = HostFrames(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
+    codec = NumpyFrames(SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k))
     facts = np.stack([slot_need_words(idx, need), computed.astype(np.int64)])
     view = FrameView(7, n, codec.facts_digest(facts), slot_need_words(idx, need),
                      computed, None if w == k + 1 else w)
@@ -127,7 +132,7 @@ def release(ks: DeviceKernels, dev: DeviceFrames, buf: torch.Tensor, view: Frame
 def test_device_frame_equals_host_frame(kernels: str, k: int, wire: str, with_drafts: bool,
                                         narrow: bool) -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k, wire=wire)
-    host, dev = HostFrames(config), DeviceFrames(config, CPU)
+    host, dev = NumpyFrames(config), DeviceFrames(config, CPU)
     ks = kernel_set(kernels, dev)
     w = 1 if narrow else k + 1
     view, tokens, ns, nr, drafts = _step(k, 11, w, seed=k * 10 + w)
@@ -403,7 +408,7 @@ def test_both_kernel_sets_agree_on_every_frame_release_and_verdict(
     k, n, w, rng = case["k"], case["n"], case["w"], case["rng"]
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=k,
                               wire=case["wire"])
-    host, dev = HostFrames(config), DeviceFrames(config, CPU)
+    host, dev = NumpyFrames(config), DeviceFrames(config, CPU)
     sets = [kernel_set(name, dev) for name in ("torch", "triton")]
     view, tokens, _, _, drafts = _step(k, n, w, seed=int(rng.integers(1 << 30)))
     ns, nr = case["ns"], case["nr"]

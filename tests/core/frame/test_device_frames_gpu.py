@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from ppsync.core.checks import value_bounds
-from ppsync.core.device_kernels import device_kernels_for, interpreting, triton_error
+from ppsync.core.codec.device_kernels import device_kernels_for, interpreting, triton_error
 from ppsync.core.frame import BufferPool, FrameView, slot_need_words
 from ppsync.core.frame.device_frames import V_NUM_SAMPLED, DeviceFrames
-from ppsync.core.frame.host_frames import HostFrames
-from ppsync.core.platform import platform_for
+from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.rules.checks import value_bounds
+from ppsync.core.wire.platform import platform_for
 from ppsync.schemas.config import SyncConfig
 
 pytestmark = [
@@ -30,7 +30,7 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
     dev = torch.device("cuda", 0)
     config = SyncConfig.build(pp_size=2, max_num_reqs=16, num_speculative_steps=2,
                               device_kernels=kernels)
-    host, codec, p = HostFrames(config), DeviceFrames(config, dev), platform_for(dev)
+    host, codec, p = NumpyFrames(config), DeviceFrames(config, dev), platform_for(dev)
     ks = device_kernels_for(config, codec)
     assert ks.name == kernels
     idx = np.array([3, 9, 1], dtype=np.int64)

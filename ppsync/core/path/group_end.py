@@ -1,0 +1,307 @@
+"""One rank's end of a token group: who is who in it, what its works mean
+(the completion semantics), how its frames are issued and packed (the
+transport and the codec), the start-up handshake, the transfers in flight
+(the ring of posted receives, the sends held until they end) and every
+bounded wait on them, its failures, its flight recorder, and its close. It
+knows no step protocol: :class:`~ppsync.core.path.token_path.TokenPath` adds the
+need mask, the generations and the roles' calls on top.
+
+Everything that depends on the codec is in the codec object
+(ppsync.core.codec.base), chosen once: no branch here or in TokenPath asks
+which codec it has.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ppsync.core.codec import StepCodec, codec_for
+from ppsync.core.codec.records import PendingStep
+from ppsync.core.path.failures import PathFailures
+from ppsync.core.path.handshake import Handshake
+from ppsync.core.path.names import TOKEN_PATH_NAMES, CallNames, role_error
+from ppsync.core.path.ring import SlotRing
+from ppsync.core.recorder.flight import FlightRecorder
+from ppsync.core.recorder.on_error import dump_on_error
+from ppsync.core.recorder.registry import dump_file, register
+from ppsync.core.recorder.snapshot import write_dump
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.completion import Completion, completion_for
+from ppsync.core.wire.completion.base import aborted_error
+from ppsync.core.wire.groups import group_facts
+from ppsync.core.wire.platform import Platform, platform_for
+from ppsync.core.wire.teardown import keep_until_exit
+from ppsync.core.wire.transport import Broadcaster, TransportClock
+from ppsync.core.wire.waits import InFlight, Waits
+from ppsync.errors import (
+    BatchError,
+    ConfigError,
+    DesyncError,
+    PPSyncError,
+    ProtocolError,
+    SyncTimeout,
+)
+from ppsync.schemas.config import SyncConfig
+
+T = TypeVar("T")
+
+
+class GroupEnd:
+    """One rank's end of the token group ``group`` (the dedicated token
+    group: same ranks as the PP group, last group rank samples)."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        group: dist.ProcessGroup,
+        *,
+        board: FailureBoard | Literal["group"] | None = "group",
+        names: CallNames = TOKEN_PATH_NAMES,
+        wait_handshake: bool = True,
+        device: torch.device | str | None = None,
+        platform: str | Platform | None = None,
+    ) -> None:
+        """``board``: where ranks post failures, so that one cause gives one
+        error type on every rank, naming the culprit (see
+        ppsync.core.wire.board); "group" (the default): a board in the group's
+        own store; None: no board, each rank reports only what it saw.
+        ``names``: the caller's names for consume/post/publish, used in errors.
+        ``device``: where the device codec's frames live (default CPU);
+        ``platform``: cpu, cuda or xpu (default: the device's type)."""
+        rank, size, group_ranks, backend = group_facts(group)
+        if size != config.pp_size:
+            raise ConfigError(
+                f"pp_size = {config.pp_size} but the group has {size} ranks; they must match"
+            )
+        self.config = config
+        self.names = names
+        self.group = group
+        self.rank = rank
+        self.is_last = self.rank == config.pp_size - 1
+        self.group_ranks = group_ranks
+        self.global_rank = group_ranks[rank]
+        self.src = group_ranks[config.pp_size - 1]
+        self.board = FailureBoard.of_group(group) if board == "group" else board
+        self.completion: Completion = completion_for(group, backend)
+        """What the group's works mean (host-completed: gloo; stream-ordered:
+        NCCL, XCCL, the CPU twin): every wait and stream order asks it."""
+        self.transport: Broadcaster = self.completion.broadcaster(group, config.pp_size - 1)
+        """Issues each frame's collective (``issue(buf) -> Work``); a benchmark
+        may put a loopback in its place (ppsync.bench.loopback)."""
+        self.platform = self.completion.platform(
+            platform if isinstance(platform, Platform) else platform_for(device, platform))
+        self.backend = backend
+        self.completion.bind(group, config.timeout_s, self.platform)
+        # chosen before the handshake: a codec the backend cannot carry raises
+        # before anything is issued
+        self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
+                                          backend=backend, rank=self.rank, src=self.src)
+        """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
+        on_device = self.completion.device_only
+        self.handshake: Handshake | None = Handshake(
+            config, group, rank=self.rank, completion=self.completion, board=self.board,
+            device=self.platform.device if on_device else None,
+            device_kernels=self.codec.device_kernels_name)
+        """Issued at once; finished here, or by the caller (``wait_handshake``
+        False: an event loop awaits :meth:`handshake_work`, then calls
+        finish_handshake)."""
+        self.failures = PathFailures(group, rank=rank, board=self.board,
+                                     completion=self.completion)
+        """Names, aborts and tells this path's failures (ppsync.core.path.failures)."""
+        self.run_id = 0
+        """Agreed by every rank at the handshake; scopes the failure board."""
+        if wait_handshake:
+            self.finish_handshake()
+        self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
+        self.seq = 0  # frames issued on this group so far
+        self.steps = 0  # post/publish calls so far (the subclass's steps)
+        self._inflight = InFlight(config.depth)
+        self._waits = Waits(self.rank, config.timeout_s, self.board,
+                            lambda err, observed: self.failed(err, observed=observed),
+                            self.completion)
+        self._closed = False
+        self._last_issued: tuple[int, dist.Work] | None = None
+        self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
+                                       depth=config.depth)
+        """This path's flight recorder (ppsync.core.recorder.flight); see :meth:`dump`."""
+        self.dump_inline = True
+        """Write an error's dump in the failing call (True), or hand it to
+        the dump writer thread (False: an event loop's thread never writes
+        one; ppsync.core.recorder.writer.flush_dumps waits for it)."""
+        register(self)
+
+    def finish_handshake(self) -> None:
+        """Check the start-up handshake (DesyncError if any rank's
+        configuration differs) and bind the board to the agreed run id.
+        Every other call needs it done."""
+        if self.handshake is None:
+            return
+        try:
+            self.run_id = self.handshake.finish()
+        except SyncTimeout as e:
+            raise self.failures.handshake(e) from None
+        self.handshake = None
+        if self.board is not None:
+            self.board.bind_run(self.run_id)
+
+    @property
+    def clock(self) -> TransportClock | None:
+        """When set, collects the CPU time of issues and of real waits (a
+        benchmark's; see ppsync.core.wire.transport.TransportClock)."""
+        return self._waits.clock
+
+    @clock.setter
+    def clock(self, clock: TransportClock | None) -> None:
+        self._waits.clock = clock
+
+    def _issue(self, buf: torch.Tensor) -> dist.Work:
+        clock = self._waits.clock
+        t0 = 0 if clock is None else time.thread_time_ns()
+        work = self.transport.issue(buf)
+        if clock is not None:
+            clock.issue_ns += time.thread_time_ns() - t0
+        if self.completion.stream_ordered:  # bounded from its post (completion.guard)
+            what = "send" if self.is_last else "receive"
+            self.completion.issued(work, f"rank {self.rank}: {what} of frame {self.seq}")
+        return work
+
+    # -- the async contract (ppsync.core.path.token_path) -----------------------
+
+    def handshake_work(self) -> dist.Work | None:
+        """The handshake's collective while :meth:`finish_handshake` is due."""
+        return None if self.handshake is None else self.handshake.work
+
+    def works_before_issue(self) -> list[dist.Work]:
+        """Works that the next send/consume would wait on synchronously (the
+        oldest beyond D in flight); an async caller awaits these first so the
+        call never blocks."""
+        return self._inflight.before_issue()
+
+    def last_issued(self) -> tuple[int, dist.Work] | None:
+        """(seq, work) of the most recent collective issued; None before one."""
+        return self._last_issued
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ProtocolError(f"rank {self.rank}: token path used after close()")
+        cause = self.completion.cause
+        if cause is not None:  # an aborted group: nothing of it is used again
+            if self.failures.raised is None:  # aborted off this thread (the deadline guard)
+                raise self.failed(cause)
+            raise aborted_error(self.failures.raised, f"rank {self.rank}: token path used")
+        if self.handshake is not None:
+            raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
+                                "handshake finished (finish_handshake())")
+
+    def require_role(self, op: str, *, last: bool) -> None:
+        """Raise RoleError unless this rank is (``last``) or is not the last
+        rank; ProtocolError after close(). For adapters checking first."""
+        self._check_open()
+        if self.is_last != last:
+            raise role_error(op, rank=self.rank, pp_size=self.config.pp_size, last=last)
+
+    def _prune(self) -> None:
+        """Drop completed works; wait the oldest while more than D are held."""
+        self._inflight.prune(self._waits, self._completed)
+
+    def _completed(self, buf: torch.Tensor, work: dist.Work) -> None:
+        self.recorder.complete(work, self.steps)
+        self.codec.reuse(buf)
+
+    def failed(
+        self, err: PPSyncError, *, settle: bool = True, observed: bool = True,
+        dump: bool = True,
+    ) -> PPSyncError:
+        """The error to raise for ``err`` (:meth:`PathFailures.named
+        <ppsync.core.path.failures.PathFailures.named>`). With ``dump`` the error
+        is recorded and, with a dump directory, dumped; a note on it names
+        the file (False: a caller that asks again once the others posted,
+        and dumps that answer only)."""
+        named = self.failures.named(err, settle=settle, observed=observed)
+        if dump:
+            dump_on_error(self, named)
+        return named
+
+    def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
+        """The start-up handshake's timeout as raised (an event loop's
+        wait): see :meth:`PathFailures.handshake
+        <ppsync.core.path.failures.PathFailures.handshake>`."""
+        return self.failures.handshake(err)
+
+    def leave(self, reason: str) -> None:
+        """Tell the peers that this rank left mid-run (:meth:`PathFailures.leave
+        <ppsync.core.path.failures.PathFailures.leave>`)."""
+        self.failures.leave(reason)
+
+    def _checked(self, call: Callable[..., T], *args: object) -> T:
+        """``call()``, with a frame check's error raised as the path's own:
+        a DesyncError through the board; a BatchError (the last rank sent bad
+        values, found on the device) as it is, since every rank raises it
+        from the frame itself (the board would rename the cause)."""
+        try:
+            return call(*args)
+        except DesyncError as e:
+            raise self.failed(e) from None
+        except BatchError as e:
+            dump_on_error(self, e)
+            raise
+
+    def _issued(self, work: dist.Work) -> None:
+        self._last_issued = (self.seq, work)
+        self.seq += 1
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def close(self, *, drain: bool = True, reason: str | None = None) -> None:
+        """Stop using the group. With ``drain``, wait (bounded) for every
+        posted receive and issued send, so no peer is left mid-collective;
+        without, abandon them. Further calls raise ProtocolError.
+
+        Leaving with transfers abandoned, or with a ``reason`` (why this rank
+        leaves mid-run, e.g. "its engine raised ..."), tells the peers on the
+        board (:meth:`leave`) unless this rank already posted a failure."""
+        if self._closed:
+            return
+        try:
+            # an aborted group's buffers are never drained nor checked: the
+            # abort's cause was raised already
+            if drain and self.completion.cause is None:
+                for pending in self.ring.pending():
+                    self._waits.wait(pending.work,
+                                     f"draining receive of frame {pending.frame.seq}")
+                self._inflight.drain(self._waits)
+                self.recorder.drained(self.steps)
+                self._checked(self.codec.settle, True)
+        finally:
+            ends = self.completion
+            abandoned = (any(not ends.ended(s.work) for s in self.ring.pending())
+                         or self._inflight.abandoned(ends))
+            self.ring.clear()
+            self._inflight.clear()
+            self._closed = True
+            if abandoned:  # stream-ordered: no stream waits on them forever
+                self.failures.abort(ProtocolError(
+                    f"rank {self.rank}: the token path was closed with transfers in flight"))
+            if abandoned or self.completion.cause is not None:
+                # works that an abort ended may still be pending underneath
+                # (the CPU twin's gloo): the group is never destroyed
+                keep_until_exit(self.group)
+            self.codec.close()
+            self.completion.close()
+            if abandoned or reason is not None:
+                self.leave(reason or "closed with transfers in flight")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def dump(self, path: str | Path | None = None) -> Path:
+        """Write this path's flight record as JSON Lines (ppsync.schemas.dump)
+        to ``path``, or with None to its file in the dump directory (see
+        ppsync.core.recorder.registry; ConfigError when none is set). Returns the file."""
+        return write_dump(self, dump_file(self, path), reason="request")

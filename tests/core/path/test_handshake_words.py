@@ -1,0 +1,25 @@
+"""ppsync.core.path.handshake: the configuration words every rank compares."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from ppsync.core.path.handshake import KERNEL_SET_CODES, _word, config_words
+from ppsync.schemas.config import DeviceKernelsName, SyncConfig
+
+
+def test_every_device_kernel_set_has_its_own_code() -> None:
+    sets = [n for n in get_args(DeviceKernelsName) if n != "auto"]
+    assert set(sets) <= set(KERNEL_SET_CODES) and "none" in KERNEL_SET_CODES
+    assert len(set(KERNEL_SET_CODES.values())) == len(KERNEL_SET_CODES)
+    # codes given once are fixed: another release's rank reads them alike
+    assert KERNEL_SET_CODES["none"] == 0 and KERNEL_SET_CODES["torch"] == 1
+    assert KERNEL_SET_CODES["triton"] == 2
+
+
+def test_the_kernel_set_word_is_its_code_and_reads_back_by_name() -> None:
+    config = SyncConfig.build(pp_size=2, max_num_reqs=4, codec="device")
+    for name, code in KERNEL_SET_CODES.items():
+        assert config_words(config, name)[-1] == code
+        assert _word("device_kernels", code) == name
+    assert _word("device_kernels", 99) == "99"
