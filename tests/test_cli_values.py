@@ -103,6 +103,7 @@ FLAG_CASES = [
     (["launch", "--pp-size", "2", "--spec", "100"], "--spec", "100 must be in [0, 64]"),
     (["launch", "--pp-size", "two"], "--pp-size", "invalid int value: 'two'"),
     (["launch", "--pp-size", "1"], "--pp-size", "1 must be in [2, 1024]"),
+    (["run", "--pp-size", "1"], "--pp-size", "1 must be in [2, 1024] (P = 1 has no receiver"),
     (["bench", "--pp-size", "1"], "--pp-size", "1 must be in [2, 64]"),
     (["bench", "--rows", "0"], "--rows", "0 must be in [1, 65536]"),
     (["launch", "--pp-size", "2", "--device-kernels", "triton"], "--device-kernels",
@@ -122,6 +123,21 @@ def test_a_bad_value_is_one_line_naming_the_flag(
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert f"error: argument {flag}: " in lines[0] and says in lines[0], err
+
+
+def test_run_refuses_a_world_of_one_as_its_default_pp_size(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` without --pp-size takes WORLD_SIZE; torchrun with one process
+    would check nothing (as ``launch --pp-size 1`` would): refused, exit 2,
+    before the rank joins anything."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    code, err = _run(["run", "--steps", "10"], capsys)
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        "ppsync: --pp-size defaults to WORLD_SIZE = 1, which must be >= 2 (P = 1 has no "
+        "receiver: nothing to check)"], err
 
 
 def test_the_bounds_are_the_models_own() -> None:

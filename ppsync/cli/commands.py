@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
+from ppsync.cli.parser import PP_SIZE_ONE
 from ppsync.core.codec import check_frames
 from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
 from ppsync.core.codec.device_kernels import resolve_device_kernels
@@ -235,6 +236,9 @@ def _run(args: argparse.Namespace) -> int:
     install_dump_triggers(_prepare_dumps(args))
     signal.signal(signal.SIGTERM, _stopped)
     world = WorldEnv.from_environ(os.environ)
+    if args.pp_size is None and world.world_size < 2:
+        raise ConfigError(f"--pp-size defaults to WORLD_SIZE = {world.world_size}, which must "
+                          f"be >= 2{PP_SIZE_ONE}")
     config = _config(args, args.pp_size or world.world_size)
     if world.rank == 0:
         _check_report_path(args)

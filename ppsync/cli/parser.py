@@ -65,6 +65,9 @@ platforms ppsync.core.wire.platform knows (a test compares the two)."""
 DEMO_STEPS = 3000
 """Steps of ``launch`` and ``run`` when --steps is not given (``make demo``'s)."""
 
+PP_SIZE_ONE = " (P = 1 has no receiver: nothing to check)"
+"""Why ``launch`` and ``run`` refuse pp_size 1 (bench's own bound says it too)."""
+
 
 class _Help(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default, unless it says one itself;
@@ -104,6 +107,9 @@ _jitter_us = bounded(float, 0.0, SECONDS_MAX * 1e6, unit=" µs")
 
 def _sync(field: str, **kwargs: Any) -> Any:
     return from_field(SyncConfig, field, **kwargs)
+
+
+_pp_size = _sync("pp_size", low=2, why=PP_SIZE_ONE)
 
 
 def _bench_opt(field: str) -> Any:
@@ -165,8 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run the workload over P local gloo ranks",
                         description="Run the synthetic workload over local gloo ranks and "
                         "print one row per rank and a verdict line.", epilog=EXIT_CODES)
-    la.add_argument("--pp-size", type=_sync("pp_size", low=2, why=" (P = 1 has no receiver: "
-                    "nothing to check)"), required=True, help="ranks P per PP group")
+    la.add_argument("--pp-size", type=_pp_size, required=True, help="ranks P per PP group")
     la.add_argument("--world-size", type=_positive, default=None,
                     help="ranks in all (default pp_size; a multiple: tensor x pipeline)")
     la.add_argument("--stacks", action="store_true",
@@ -178,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="where each rank's tensors live: cuda / xpu use the accelerator at "
                     "LOCAL_RANK (modulo the visible count) and token groups on nccl / xccl; "
                     "needs --codec device")
-    ru.add_argument("--pp-size", type=_sync("pp_size"), default=None,
+    ru.add_argument("--pp-size", type=_pp_size, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
     ru.add_argument("--check", action="store_true",
