@@ -50,7 +50,7 @@ class PathFailures:
             self.raised = named
         return named
 
-    def handshake(self, err: SyncTimeout) -> SyncTimeout:
+    def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
         """The start-up handshake did not complete within timeout_s: the
         error naming the ranks that never reached it (from the board), the
         group aborted where that is how its pending transfer ends (the

@@ -144,7 +144,7 @@ class GroupEnd:
         try:
             self.run_id = self.handshake.finish()
         except SyncTimeout as e:
-            raise self.failures.handshake(e) from None
+            raise self.handshake_error(e) from None
         self.handshake = None
         if self.board is not None:
             self.board.bind_run(self.run_id)
@@ -229,9 +229,9 @@ class GroupEnd:
 
     def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
         """The start-up handshake's timeout as raised (an event loop's
-        wait): see :meth:`PathFailures.handshake
-        <ppsync.core.path.failures.PathFailures.handshake>`."""
-        return self.failures.handshake(err)
+        wait): see :meth:`PathFailures.handshake_error
+        <ppsync.core.path.failures.PathFailures.handshake_error>`."""
+        return self.failures.handshake_error(err)
 
     def leave(self, reason: str) -> None:
         """Tell the peers that this rank left mid-run (:meth:`PathFailures.leave
