@@ -161,15 +161,16 @@ def _core_violations(graph: dict[str, set[str]]) -> list[str]:
         parts = mod.split(".")
         if parts[:2] != ["ppsync", "core"] or len(parts) < 4:
             continue  # ppsync.core itself and its __init__ re-exports
+        kernel_set = parts[2] == "codec" and len(parts) > 4 and parts[3] in KERNEL_SETS
         for other in imports:
             o = other.split(".")
-            if o[:2] != ["ppsync", "core"] or len(o) < 3 or o[2] == parts[2]:
-                if (parts[2] == "codec" and len(parts) > 4 and parts[3] in KERNEL_SETS
-                        and o[:3] == ["ppsync", "core", "codec"] and len(o) > 3
-                        and o[3] not in KERNEL_SETS_MAY_IMPORT):
-                    bad.append(f"{mod} imports {other}")
+            if o[:2] != ["ppsync", "core"] or len(o) < 3:
                 continue
-            if CORE_PACKAGES.get(o[2], 99) >= CORE_PACKAGES.get(parts[2], -1):
+            if o[2] != parts[2]:
+                upward = CORE_PACKAGES.get(o[2], 99) >= CORE_PACKAGES.get(parts[2], -1)
+            else:
+                upward = kernel_set and len(o) > 3 and o[3] not in KERNEL_SETS_MAY_IMPORT
+            if upward:
                 bad.append(f"{mod} imports {other}")
     return bad
 
