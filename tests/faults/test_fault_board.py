@@ -9,7 +9,12 @@
   the same error type;
 - a rank whose engine raises and leaves ``open_rank`` while its process stays
   alive posts that it left: its peers end with PeerLost naming it within a
-  few board slices, not at their timeout.
+  few board slices, not at their timeout;
+- gloo's own timeout on the token group comes after the path's deadline by
+  more than a board read: when it passes, gloo closes every connection of the
+  group, and a survivor that had not yet read the first notice took that for
+  a lost rank where the fault was a silent one (``dump show`` said "lost" for
+  a SIGSTOPped rank, 1 run in 6 on a loaded machine).
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 import torch.distributed as dist
 from fault_tools import watchdog, write_json
 from helpers import engine_step, sync_engine_step
 
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.completion.base import GLOO_TIMEOUT_MARGIN_S
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.driver import StepLoop, run_sync_rank, workload_config
@@ -153,3 +160,22 @@ def test_a_rank_leaving_by_an_exception_is_named_by_its_peers_at_once(
         assert (error, peer) == ("PeerLost", leaver), results
         # a few board slices after the leave, not TIMEOUT_S
         assert after_s < STAY_ALIVE_S, results
+
+
+# -- gloo's timeout after the board's notice ------------------------------------------------
+
+
+def _gloo_timeout_rank(env: RankEnv) -> tuple[float, float]:
+    group = _group()
+    path = TokenPath(_config(3.0), group, board=env.failure_board(group))
+    assert path.board is not None
+    own = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    relay = path.board.slice_s + path.board.op_timeout_s  # one slice, one bounded store read
+    path.close()
+    return own, relay
+
+
+def test_gloos_own_timeout_comes_after_the_deadline_and_a_board_read() -> None:
+    for own, relay in spawn_ranks(_gloo_timeout_rank, PP_SIZE, timeout_s=TIMEOUT_S):
+        assert own == 3.0 + GLOO_TIMEOUT_MARGIN_S
+        assert own - 3.0 > relay

@@ -41,6 +41,15 @@ POLL_FIRST_S = 50e-6
 up to :data:`POLL_MAX_S` (a pause releases the CPU: polling never spins)."""
 POLL_MAX_S = 2e-3
 
+GLOO_TIMEOUT_MARGIN_S = 2.0
+"""A gloo token group's own timeout is ``timeout_s`` plus this. gloo counts
+its timeout from the post and, when it passes, closes every connection of
+the group's context: a peer still waiting then sees "Connection closed by
+peer", a lost connection, where the fault was a silent rank. So ppsync's
+deadline comes first, its notice goes on the failure board, and the other
+survivors read it (every ``slice_s``, 0.25 s; a store call is bounded at
+1 s) before gloo closes anything: every rank names the silence as one."""
+
 NCCL_TIMEOUT_MARGIN_S = 30.0
 """A stream-ordered token group's own timeout is ``timeout_s`` plus this:
 ppsync's deadline (and its abort) comes first and names the fault; the
@@ -144,8 +153,9 @@ class HostCompleted(_OwnGroup):
         """Nothing: gloo ends its works at the group's timeout by itself."""
 
     def group_timeout_s(self, timeout_s: float) -> float:
-        # an abandoned gloo work then ends no later than the path's own deadline
-        return timeout_s
+        # an abandoned gloo work ends GLOO_TIMEOUT_MARGIN_S after the path's
+        # own deadline: after the board has named the fault
+        return timeout_s + GLOO_TIMEOUT_MARGIN_S
 
     def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
         bound_group_timeout(group, self.group_timeout_s(timeout_s))
