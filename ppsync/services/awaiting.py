@@ -30,11 +30,13 @@ CPython ends such a thread with ``pthread_exit``, and the unwinding through
 gloo aborts ("terminate called after throwing an instance of
 'gloo::IoException'", rc -6; seen when a peer closed its connections as a
 survivor of a failure was exiting). So every work given a callback is
-remembered until it completes, and an exit hook waits, at most
+remembered until its callback has returned (a work reads as ended a moment
+before its callbacks run), and an exit hook waits, at most
 ``EXIT_GRACE_S``, for the remembered ones while the interpreter is still
 whole. After a failure they end within milliseconds (their peers are gone or
-leaving too) or at the token group's timeout, which the token path sets to
-its own ``timeout_s``.
+leaving too) or at the token group's timeout: ``timeout_s`` plus
+``GLOO_TIMEOUT_MARGIN_S`` from the post, so at most that margin after the
+path's deadline that raised (ppsync.core.wire.completion.base).
 """
 
 from __future__ import annotations
@@ -53,13 +55,15 @@ import torch.distributed as dist
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
 from ppsync.core.wire.completion import Completion, HostCompleted
-from ppsync.core.wire.completion.base import POLL_FIRST_S, POLL_MAX_S
+from ppsync.core.wire.completion.base import GLOO_TIMEOUT_MARGIN_S, POLL_FIRST_S, POLL_MAX_S
 from ppsync.core.wire.transport import has_ended
 from ppsync.core.wire.waits import Relayed, board_slices
 from ppsync.errors import PPSyncError
 
-EXIT_GRACE_S = 2.0
-"""Longest the exit hook waits for works that still carry a callback."""
+EXIT_GRACE_S = GLOO_TIMEOUT_MARGIN_S + 1.0
+"""Longest the exit hook waits for works that still carry a callback: a
+silent peer's work ends at gloo's timeout, up to GLOO_TIMEOUT_MARGIN_S after
+the deadline the survivor raised at, plus a second for the exit itself."""
 
 INLINE_WAIT_S = 50e-6
 """Longest the loop thread waits inline (blocked) for a pending transfer
@@ -72,27 +76,32 @@ def inline_wait(flag: threading.Event, bound_s: float) -> bool:
     can count the calls and check their bounds."""
     return flag.wait(bound_s)
 
-_with_callback: dict[int, dist.Work] = {}  # id -> work given a done-callback, not seen done
+_with_callback: dict[int, dist.Work] = {}
+"""id -> work given a done-callback that has not yet returned. A work's end
+(``is_completed()``) comes before its callbacks run: the hook waits for the
+callbacks themselves, since one that runs after the hook returned would run
+while the interpreter finalizes."""
 
 
 def _settle_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
-    """Wait (bounded, polling: the loop is gone) until no remembered work is
-    pending, so none can run its callback while the interpreter finalizes."""
+    """Wait (bounded, polling: the loop is gone) until every remembered
+    work's callback has returned, so none runs while the interpreter
+    finalizes."""
     deadline = time.monotonic() + grace_s
-    while not all(has_ended(w) for w in _with_callback.values()):
-        if time.monotonic() >= deadline:
-            return
+    while _with_callback and time.monotonic() < deadline:
         time.sleep(0.005)
-    _with_callback.clear()
 
 
 def _remember(work: dist.Work) -> None:
     if not _with_callback:
         atexit.unregister(_settle_at_exit)  # registered once at a time
         atexit.register(_settle_at_exit)
-    for key in [k for k, w in _with_callback.items() if has_ended(w)]:
-        del _with_callback[key]
     _with_callback[id(work)] = work
+
+
+def _called_back(work: dist.Work) -> None:
+    """``work``'s callback returns: nothing of it is left to run."""
+    _with_callback.pop(id(work), None)
 
 
 def _loop_waker(event: anyio.Event) -> Callable[[], None]:
@@ -186,9 +195,12 @@ def _ended_inline(work: dist.Work, wake: Callable[[], None]) -> bool:
     inline = [True]
 
     def on_done(_fut: object) -> None:
-        flag.set()
-        if not inline[0]:
-            wake()
+        try:
+            flag.set()
+            if not inline[0]:
+                wake()
+        finally:
+            _called_back(work)
 
     _remember(work)
     work.get_future().add_done_callback(on_done)
