@@ -15,7 +15,10 @@ error for it (:meth:`ppsync.core.path.group_end.GroupEnd.failed`: through the
 failure board, naming the silent or lost rank, dumped) and hands it to
 ``on_error`` (the plugin: log it and end the worker, so that vLLM's
 executor ends the engine). It reads the ring and asks each work whether it
-ended, as the services' watcher does; it never waits on a work.
+ended, as the services' watcher does; it never waits on a work. Each look
+is a call into torch (a future's value) that the process's exit waits for
+(ppsync.core.wire.teardown.native_call); once the exit began, the thread
+stops.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ppsync.core.path.token_path import TokenPath
+from ppsync.core.wire.teardown import native_call
 from ppsync.errors import PPSyncError, SyncTimeout
 
 __all__ = ["PendingWatch"]
@@ -72,7 +76,8 @@ class PendingWatch:
         what = f"rank {self.path.rank}: a receive posted"
         while not self.path.closed:
             time.sleep(self.tick_s)
-            age, bad = self._pending(seen)
+            with native_call():
+                age, bad = self._pending(seen)
             if self.busy or (bad is None and (age is None or age <= timeout_s + self.tick_s)):
                 continue
             tail = "while the engine makes no handler call (ppsync's watchdog of a vLLM worker)"
@@ -81,8 +86,9 @@ class PendingWatch:
                 f"{timeout_s:g} {tail}")
             if bad is not None:
                 try:
-                    self.path.completion.wait(bad, timeout_s=timeout_s, what=f"{what} "
-                                              f"ended badly {tail}", peer=self.path.src)
+                    with native_call():  # ended: it raises its error at once
+                        self.path.completion.wait(bad, timeout_s=timeout_s, what=f"{what} "
+                                                  f"ended badly {tail}", peer=self.path.src)
                 except PPSyncError as e:
                     own = e
             try:

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store  # dist.Store, in a form mypy resolves
 
+from ppsync.core.wire.teardown import native_call
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
 T = TypeVar("T")
@@ -50,10 +51,12 @@ def _bounded(call: Callable[[], T], default: T, timeout_s: float) -> tuple[T, bo
     ``timeout_s`` (the thread is then left to the store)."""
     box: list[T] = [default]
     done = threading.Event()
+    for_main = threading.current_thread() is threading.main_thread()
 
     def run() -> None:
         try:
-            box[0] = call()
+            with native_call(for_main=for_main):  # a store call: the exit waits for it
+                box[0] = call()
         except Exception:  # a dead store: the caller gets the default
             pass
         finally:

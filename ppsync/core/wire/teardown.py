@@ -11,14 +11,37 @@ So a group with abandoned work is never destroyed: it stays referenced until
 the process exits, which reclaims it without waiting. (The async services
 also make sure no such work still carries a Python callback when the
 interpreter finalizes; see ``ppsync.services.awaiting``.)
+
+Nor may one of ppsync's daemon threads be inside a call into torch's C++
+that let go of the interpreter (a tensor op, a store call, a group's abort)
+when the interpreter finalizes: CPython ends a thread that takes the
+interpreter back then with ``pthread_exit``, whose unwinding through
+torch's C++ aborts the process ("terminate called without an active
+exception", rc -6; seen on a survivor whose abort thread filled a receive
+buffer as the process exited). So each such call runs inside
+:func:`native_call`, and an exit hook waits, at most ``NATIVE_EXIT_S``,
+until none is running. From then on a daemon thread that would start one
+stops where it is, for good, unless the main thread waits for its result (a
+board read or post from a later exit hook: the main thread holds the exit
+meanwhile, within that wait's own bound).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
+
+NATIVE_EXIT_S = 1.0
+"""Longest the process's exit waits for daemon threads' calls into torch
+(:func:`native_call`) to return. Those calls take micro- to milliseconds; one
+that outlives this (a store that does not answer, an abort that blocks) is
+left: it returns, if ever, after the process is gone."""
 
 _kept: set[int] = set()  # id() of groups kept alive
 
@@ -38,3 +61,55 @@ def bound_group_timeout(group: dist.ProcessGroup, timeout_s: float) -> None:
     fail) within ``timeout_s``, so no abandoned work outlives the token path's
     own deadline by more than that."""
     group.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+class _NativeCalls:
+    """Counts daemon threads' calls into torch under way (see the module)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.inside = 0
+        self.exiting = False
+        self.hooked = False
+
+    def enter(self, for_main: bool) -> None:
+        with self.cond:
+            if not self.hooked:
+                atexit.register(self.settle)
+                self.hooked = True
+            parked = (self.exiting and not for_main
+                      and threading.current_thread() is not threading.main_thread())
+            if not parked:
+                self.inside += 1
+        if parked:
+            threading.Event().wait()  # never set: the process exits around this thread
+
+    def leave(self) -> None:
+        with self.cond:
+            self.inside -= 1
+            self.cond.notify_all()
+
+    def settle(self, bound_s: float | None = None) -> bool:
+        """The exit hook: no new call starts on a daemon thread; wait (at
+        most ``bound_s``, default :data:`NATIVE_EXIT_S`) for those under way.
+        True when none is left."""
+        with self.cond:
+            self.exiting = True
+            return self.cond.wait_for(lambda: self.inside == 0,
+                                      NATIVE_EXIT_S if bound_s is None else bound_s)
+
+
+_native = _NativeCalls()
+
+
+@contextmanager
+def native_call(*, for_main: bool = False) -> Iterator[None]:
+    """Run the body, a call into torch's C++ made from a daemon thread,
+    where the process's exit waits for it (see the module). Once the exit
+    has begun, a daemon thread that enters here never returns, unless
+    ``for_main``: the main thread waits (bounded) for the call's result."""
+    _native.enter(for_main)
+    try:
+        yield
+    finally:
+        _native.leave()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ppsync.core.wire.completion.guard import DeadlineGuard
 from ppsync.core.wire.platform import Platform
-from ppsync.core.wire.teardown import bound_group_timeout
+from ppsync.core.wire.teardown import bound_group_timeout, native_call
 from ppsync.core.wire.transport import Broadcaster, ended_well, has_ended, translate, wait_work
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
@@ -278,8 +278,8 @@ class StreamOrdered(_OwnGroup):
         # (ProcessGroupNCCL: ncclCommAbort); distributed_c10d's
         # _abort_process_group also unregisters the group, which the path
         # does not want (its dumps and messages still name the group)
-        with contextlib.suppress(RuntimeError):  # nothing else to do: the cause stands
-            group.abort()
+        with native_call(), contextlib.suppress(RuntimeError):  # nothing else to do: the
+            group.abort()  # cause stands; the process's exit waits (bounded) for the abort
 
     def group_timeout_s(self, timeout_s: float) -> float:
         return timeout_s + NCCL_TIMEOUT_MARGIN_S

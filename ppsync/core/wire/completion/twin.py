@@ -53,6 +53,7 @@ from ppsync.core.wire.completion.twin_streams import (
     current_stream,
 )
 from ppsync.core.wire.platform import Platform
+from ppsync.core.wire.teardown import native_call
 from ppsync.core.wire.transport import Broadcaster, has_ended
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import EmulatedName
@@ -105,9 +106,10 @@ class TwinGroup:
         """NCCL's abort, run by the path's abort thread: it may block."""
         if self.abort_hang_s > 0:
             threading.Event().wait(None if math.isinf(self.abort_hang_s) else self.abort_hang_s)
-        for work in list(self.pending):
-            if work.buf is not None and not work.root and not work.real_ended():
-                work.buf.fill_(POISON)  # the kernel exited: the data never came
+        with native_call():  # tensor ops, on the abort's daemon thread
+            for work in list(self.pending):
+                if work.buf is not None and not work.root and not work.real_ended():
+                    work.buf.fill_(POISON)  # the kernel exited: the data never came
         self.aborted = True
 
     def _watch(self) -> None:

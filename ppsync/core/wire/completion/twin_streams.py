@@ -9,6 +9,7 @@ receive was consumed by then.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ppsync.core.wire.platform import Platform
+from ppsync.core.wire.teardown import native_call
 
 STOP_S = 2.0
 """Longest a token path's close waits for its stand-in stream's thread to end."""
@@ -112,7 +114,8 @@ class TwinStream:
         self.lag_s = lag_s
         self.after: list[TwinTransfer] = []  # transfers it is ordered after (_order_after)
         self.error: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[float, Callable[[], None]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[float, Callable[[], None], bool]] = (
+            queue.SimpleQueue())
         self._thread: threading.Thread | None = None
         if not main:
             self._thread = threading.Thread(target=self._run, name=f"ppsync-twin-{name}",
@@ -121,13 +124,16 @@ class TwinStream:
 
     def _run(self) -> None:
         while True:
-            due, fn = self._queue.get()
+            due, fn, native = self._queue.get()
             if fn is _STOP:
                 return
             if (wait_s := due - time.monotonic()) > 0:
                 time.sleep(wait_s)
             try:
-                fn()
+                # torch work: the process's exit waits for it (a wait, only
+                # the host clock and queries, need not hold the exit up)
+                with native_call() if native else contextlib.nullcontext():
+                    fn()
             except Exception as e:  # sticky, as a device error is
                 if self.error is None:
                     self.error = e
@@ -136,15 +142,16 @@ class TwinStream:
         """End the stream's thread once it ran what it was handed (a token
         path's close; a transfer it still waits on ends at the group's abort)."""
         if self._thread is not None:
-            self._queue.put((0.0, _STOP))
+            self._queue.put((0.0, _STOP, False))
             self._thread.join(STOP_S)
 
     def raise_error(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"twin stream {self.name}: {self.error}") from self.error
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` when the stream reaches it (the main stream: now)."""
+    def submit(self, fn: Callable[[], None], *, native: bool = True) -> None:
+        """Run ``fn`` when the stream reaches it (the main stream: now);
+        ``native``: it calls into torch (not only waits)."""
         if self.main:
             fn()
         else:
@@ -153,7 +160,7 @@ class TwinStream:
             # torch.inference_mode(), where tensors made then may be updated
             # in place only under it
             self._queue.put((time.monotonic() + self.lag_s,
-                             _in_mode(torch.is_inference_mode_enabled(), fn)))
+                             _in_mode(torch.is_inference_mode_enabled(), fn), native))
 
     def wait_work(self, work: TwinTransfer) -> None:
         """The stream waits (device-side) for ``work``'s transfer."""
@@ -165,19 +172,19 @@ class TwinStream:
                 work.consumed = True  # only a consume orders a side stream after a receive
         if work.frame and work not in self.after:
             self.after.append(work)  # reaches the next event, ended or not
-        self.submit(lambda: _until_ended(work))
+        self.submit(lambda: _until_ended(work), native=False)
 
     def record_event(self) -> TwinEvent:
         event = TwinEvent(self, list(self.after))
         self.after = [w for w in self.after if not w.is_completed()]
-        self.submit(event.reach)
+        self.submit(event.reach, native=False)
         return event
 
     def wait_event(self, event: TwinEvent) -> None:
         if self.main:
             self._engine_waits(event.works)
         self._order_after(event.works)
-        self.submit(lambda: _reached(event))
+        self.submit(lambda: _reached(event), native=False)
 
     def wait_stream(self, other: TwinStream) -> None:
         if other is not self:
