@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,13 +71,9 @@ class _NativeCalls:
         self.cond = threading.Condition()
         self.inside = 0
         self.exiting = False
-        self.hooked = False
 
     def enter(self, for_main: bool) -> None:
         with self.cond:
-            if not self.hooked:
-                atexit.register(self.settle)
-                self.hooked = True
             parked = (self.exiting and not for_main
                       and threading.current_thread() is not threading.main_thread())
             if not parked:
@@ -89,17 +86,32 @@ class _NativeCalls:
             self.inside -= 1
             self.cond.notify_all()
 
-    def settle(self, bound_s: float | None = None) -> bool:
-        """The exit hook: no new call starts on a daemon thread; wait (at
-        most ``bound_s``, default :data:`NATIVE_EXIT_S`) for those under way.
-        True when none is left."""
+    def settle(self, bound_s: float) -> bool:
+        """No new call starts on a daemon thread; wait (at most
+        ``bound_s``) for those under way. True when none is left."""
         with self.cond:
             self.exiting = True
-            return self.cond.wait_for(lambda: self.inside == 0,
-                                      NATIVE_EXIT_S if bound_s is None else bound_s)
+            return self.cond.wait_for(lambda: self.inside == 0, bound_s)
 
 
 _native = _NativeCalls()
+
+
+def _settle_at_exit() -> None:
+    """The exit hook (registered as ppsync loads, so it runs after the exit
+    hooks of what loads later: an engine's, the services')."""
+    _native.settle(NATIVE_EXIT_S)
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's threads, nor their calls
+    (and one of them may have held the lock)."""
+    global _native
+    _native = _NativeCalls()
+
+
+atexit.register(_settle_at_exit)
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextmanager
@@ -108,8 +120,9 @@ def native_call(*, for_main: bool = False) -> Iterator[None]:
     where the process's exit waits for it (see the module). Once the exit
     has begun, a daemon thread that enters here never returns, unless
     ``for_main``: the main thread waits (bounded) for the call's result."""
-    _native.enter(for_main)
+    calls = _native
+    calls.enter(for_main)
     try:
         yield
     finally:
-        _native.leave()
+        calls.leave()
