@@ -86,12 +86,12 @@ class _NativeCalls:
             self.inside -= 1
             self.cond.notify_all()
 
-    def settle(self, bound_s: float) -> bool:
+    def settle(self, bound_s: float) -> None:
         """No new call starts on a daemon thread; wait (at most
-        ``bound_s``) for those under way. True when none is left."""
+        ``bound_s``) for those under way."""
         with self.cond:
             self.exiting = True
-            return self.cond.wait_for(lambda: self.inside == 0, bound_s)
+            self.cond.wait_for(lambda: self.inside == 0, bound_s)
 
 
 _native = _NativeCalls()
