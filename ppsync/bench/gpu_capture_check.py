@@ -2,8 +2,8 @@
 the main thread (global capture mode: torch's default, vLLM's) while a
 pending work of a one-rank NCCL token group is polled from another thread:
 
-- by ppsync's deadline guard (``StreamOrdered.bind`` / ``issued``: the one
-  poller ppsync runs off the engine's thread, under the thread-local capture
+- by ppsync's rank watcher (ppsync.core.wire.rank_watch: the one poller
+  ppsync runs off the engine's thread, under the thread-local capture
   mode, docs/design.md "Polls beside the engine"): the capture must survive,
   and its replay be right; that is the verdict;
 - by ppsync's services (``await_work``) in an event loop on another thread,
@@ -38,7 +38,9 @@ from ppsync.bench.gpu_failure_checks import (
 )
 from ppsync.bench.gpu_stream_checks import device_of
 from ppsync.core.wire.completion import Completion
-from ppsync.core.wire.platform import platform_for
+from ppsync.core.wire.platform import Platform, platform_for
+from ppsync.core.wire.rank_watch import RankWatcher
+from ppsync.errors import PPSyncError
 from ppsync.services.awaiting import await_work
 
 
@@ -75,17 +77,46 @@ Poller = Callable[[PolledWork], Callable[[], str | None]]
 for that poller to be done with it and says the error it met, or None."""
 
 
-def guard_poller(completion: Completion, what: str = "gpu-check m") -> Poller:
-    """ppsync's deadline guard: ``completion`` (bound to its group) tracks the work."""
+class _OneWork:
+    """What the rank watcher watches here: one work, until it said it is done."""
+
+    def __init__(self, polled: PolledWork) -> None:
+        self.polled = polled
+        self.error: PPSyncError | None = None
+
+    def outstanding(self) -> list[dist.Work]:
+        return [] if _said_done(self.polled) else [cast(dist.Work, self.polled)]
+
+    def step_count(self) -> int:
+        return 0
+
+    def fail_in_background(self, err: PPSyncError, observed: bool) -> PPSyncError:
+        self.error = self.error or err
+        return self.error
+
+    def failure(self) -> PPSyncError | None:
+        return self.error
+
+    def tick(self) -> None:
+        pass
+
+
+def watcher_poller(completion: Completion, platform: Platform) -> Poller:
+    """ppsync's rank watcher, polling the work (its cap: GUARD_TIMEOUT_S)."""
     def start(polled: PolledWork) -> Callable[[], str | None]:
-        completion.issued(cast(dist.Work, polled), what)
+        watched = _OneWork(polled)
+        watcher = RankWatcher(watched, board=None, me=0, ranks=[0], peers=[],
+                              completion=completion, platform=platform, silent_s=60.0,
+                              max_pending_s=GUARD_TIMEOUT_S)
+        watcher.start()
 
         def finish() -> str | None:
             deadline = time.monotonic() + TIMEOUT_S
             while not _said_done(polled) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            cause = getattr(completion, "cause", None)
-            return None if cause is None else f"the guard failed the group: {cause}"
+            watcher.stop()
+            err = watched.error
+            return None if err is None else f"the watcher failed the path: {err}"
 
         return finish
 
@@ -99,7 +130,7 @@ def services_poller(completion: Completion) -> Poller:
 
         async def wait() -> None:
             await await_work(cast(dist.Work, polled), timeout_s=TIMEOUT_S, what="gpu-check m",
-                             peer=None, completion=completion)
+                             completion=completion)
 
         def loop() -> None:
             try:
@@ -195,21 +226,21 @@ the work must end (2 s behind) well before it would be overdue."""
 
 def capture_probe(backend: str, behind_s: float = 2.0) -> Result:
     """m on this device: a broadcast pending behind ``behind_s`` of kernel
-    polled by ppsync's deadline guard while the main thread captures; then
+    polled by ppsync's rank watcher while the main thread captures; then
     another, polled by the services' loop on another thread."""
     dev = device_of(0)
     res: Result = {}
     with one_rank_group(backend) as (group, completion):
         capture: Capture = (cuda_capture(dev) if dev.type == "cuda"
                             else lambda go_on: (None, None))  # the dry run: no graphs
-        completion.bind(group, GUARD_TIMEOUT_S, platform_for(dev))
-        for name, poller in (("guard", guard_poller(completion)),
+        platform = platform_for(dev)
+        completion.bind(group, GUARD_TIMEOUT_S, platform)
+        for name, poller in (("guard", watcher_poller(completion, platform)),
                              ("services", services_poller(completion))):
             work, _ = issued(group, dev, behind_s)
             res[name] = polled_capture(work, poller, capture)
             with contextlib.suppress(Exception):  # after an invalidated capture it may raise
                 until_completed(work, behind_s + 10.0)
-        completion.close()
     return res
 
 
@@ -224,7 +255,7 @@ def _outcome(res: Result) -> str:
 
 
 def capture_verdict(res: Result) -> tuple[bool, str]:
-    """m passes when the capture survived the deadline guard's polls of a
+    """m passes when the capture survived the rank watcher's polls of a
     pending work inside it (the premise: there were some) and its replay
     was right; the services-on-another-thread outcome is reported only."""
     guard, services = res["guard"], res["services"]
@@ -233,7 +264,7 @@ def capture_verdict(res: Result) -> tuple[bool, str]:
               and guard["poller_error"] is None and guard["replay_ok"])
     return ok, (("" if premise else "premise FALSE (no poll of a pending work during the "
                  "capture); ")
-                + f"global-mode capture on the main thread; ppsync's deadline guard polling: "
+                + f"global-mode capture on the main thread; ppsync's rank watcher polling: "
                 f"{_outcome(guard)} | the services' loop on another thread (not ppsync's "
                 f"way; reported only): {_outcome(services)}")
 

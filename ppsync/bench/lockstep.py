@@ -149,7 +149,7 @@ class _Lockstep:
             issued = rank.path.last_issued()
             assert issued is not None
             await await_work(issued[1], timeout_s=self.config.timeout_s,
-                            what=self._what("d send"), peer=None)
+                             what=self._what("d send"), completion=rank.path.completion)
             return
         await rank.post(s.view)
         released = await rank.take()

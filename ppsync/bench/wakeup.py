@@ -56,8 +56,7 @@ def _rank(iters: int, block: int, backend: str, bound_s: float, env: RankEnv) ->
             for _ in range(block):
                 for src in (0, 1):
                     work = broadcast_async(buf, src, group)
-                    await awaiting.await_work(work, timeout_s=TIMEOUT_S, what="bench: ping",
-                                               peer=src)
+                    await awaiting.await_work(work, timeout_s=TIMEOUT_S, what="bench: ping")
             per[mode[0]].append((now() - t0) / (2 * block) / 1e3)
 
     try:

@@ -29,9 +29,18 @@ DeviceKernelsName = Literal["auto", "triton", "torch"]
 EmulatedName = Literal["nccl", "xccl"]
 """The backends whose completion semantics the CPU twin emulates (``--emulate``)."""
 
-DEFAULT_TIMEOUT_S = 60.0
-"""The bound on every wait when none is given: SyncConfig's, the handler's
-and the ``ppsync`` command's ``--timeout``."""
+DEFAULT_TIMEOUT_S = 300.0
+"""The bound on one wait for a live peer when none is given (SyncConfig's,
+the plugins' and the ``ppsync`` command's ``--timeout``): of the order of
+the engines' own (vLLM's ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` is 300 s),
+since a live peer may be slow for that long (a JIT compile, a long prefill)."""
+DEFAULT_SILENT_S = 15.0
+"""How long a peer's heartbeat may stop before it is named silent, when
+none is given (docs/design.md, "Slow is not dead", says why this value)."""
+DEFAULT_MAX_PENDING_S = 86400.0
+"""The longest a transfer may stay pending from its post, when none is
+given: a hard cap ppsync enforces itself, so that the backend's own clock
+(gloo's group timeout, NCCL's watchdog), set above it, never speaks first."""
 
 
 class SyncConfig(BaseModel):
@@ -50,7 +59,19 @@ class SyncConfig(BaseModel):
     ring_depth: int | None = Field(default=None, ge=1, le=1024)
     """D: steps between posting a receive and consuming it (None = pp_size)."""
     timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, le=86400)
-    """Bound on every wait: a transfer, a consumer wait, the group's collectives."""
+    """Bound on one wait for a live peer (a consume, a drain, a send that
+    waits, the handshake), counted from when that wait began, never from a
+    post: a peer that is alive but slow gets this long. A rank-local
+    setting: ranks need not agree."""
+    silent_s: float = Field(default=DEFAULT_SILENT_S, ge=2, le=3600)
+    """How long a peer's heartbeat (about one a second, through the failure
+    board) may stop before every rank that waits on it names it silent,
+    whatever the step time. A rank-local setting."""
+    max_pending_s: float = Field(default=DEFAULT_MAX_PENDING_S, gt=0, le=7 * 86400)
+    """The longest a transfer may stay pending from its post (a hard cap,
+    far above any healthy pipeline's latency); the token group's own
+    timeout is set above it, so ppsync speaks before the backend. At least
+    timeout_s. A rank-local setting."""
     wire: WireMode = "fixed"
     """'fixed': frames sized for max_num_reqs rows (mismatched num_reqs cannot
     deadlock); 'exact': frames sized for num_reqs rows (fewer bytes)."""
@@ -84,6 +105,14 @@ class SyncConfig(BaseModel):
                 f"ring_depth = {self.ring_depth} exceeds pp_size = {self.pp_size}; "
                 "allowed 1..pp_size"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _cap_above_timeout(self) -> SyncConfig:
+        if self.max_pending_s < self.timeout_s:
+            raise ValueError(
+                f"max_pending_s = {self.max_pending_s:g} is below timeout_s = "
+                f"{self.timeout_s:g}; a transfer's cap must allow a whole wait")
         return self
 
     @classmethod

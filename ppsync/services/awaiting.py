@@ -31,39 +31,38 @@ gloo aborts ("terminate called after throwing an instance of
 'gloo::IoException'", rc -6; seen when a peer closed its connections as a
 survivor of a failure was exiting). So every work given a callback is
 remembered until its callback has returned (a work reads as ended a moment
-before its callbacks run), and an exit hook waits, at most
-``EXIT_GRACE_S``, for the remembered ones while the interpreter is still
-whole. After a failure they end within milliseconds (their peers are gone or
-leaving too) or at the token group's timeout: ``timeout_s`` plus
-``GLOO_TIMEOUT_MARGIN_S`` from the post, so at most that margin after the
-path's deadline that raised (ppsync.core.wire.completion.base).
+before its callbacks run), and ppsync's exit hook
+(ppsync.core.wire.teardown) waits, within its bound, until none is due
+while the interpreter is still whole; past it (a receive from a peer that
+is stopped, not dead, never ends) it ends the process at once.
+
+Every wait here is sliced as the synchronous ones are
+(ppsync.core.wire.waits.wait_slices): bounded from its own start, never
+from a post, and ended at once by the path's failure, which the rank's
+watcher thread finds (no store call on the loop's thread).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 
 import anyio
 import anyio.lowlevel
 import torch.distributed as dist
 
 from ppsync.core.path.token_path import TokenPath
-from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.board import Relayed
 from ppsync.core.wire.completion import Completion, HostCompleted
-from ppsync.core.wire.completion.base import GLOO_TIMEOUT_MARGIN_S, POLL_FIRST_S, POLL_MAX_S
+from ppsync.core.wire.completion.base import POLL_FIRST_S, POLL_MAX_S
+from ppsync.core.wire.teardown import exit_hazard
 from ppsync.core.wire.transport import has_ended
-from ppsync.core.wire.waits import Relayed, board_slices
+from ppsync.core.wire.waits import WaitWatch, wait_slices
 from ppsync.errors import PPSyncError
 
-EXIT_GRACE_S = GLOO_TIMEOUT_MARGIN_S + 1.0
-"""Longest the exit hook waits for works that still carry a callback: a
-silent peer's work ends at gloo's timeout, up to GLOO_TIMEOUT_MARGIN_S after
-the deadline the survivor raised at, plus a second for the exit itself."""
+_HOST = HostCompleted()
 
 INLINE_WAIT_S = 50e-6
 """Longest the loop thread waits inline (blocked) for a pending transfer
@@ -78,24 +77,13 @@ def inline_wait(flag: threading.Event, bound_s: float) -> bool:
 
 _with_callback: dict[int, dist.Work] = {}
 """id -> work given a done-callback that has not yet returned. A work's end
-(``is_completed()``) comes before its callbacks run: the hook waits for the
-callbacks themselves, since one that runs after the hook returned would run
-while the interpreter finalizes."""
-
-
-def _settle_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
-    """Wait (bounded, polling: the loop is gone) until every remembered
-    work's callback has returned, so none runs while the interpreter
-    finalizes."""
-    deadline = time.monotonic() + grace_s
-    while _with_callback and time.monotonic() < deadline:
-        time.sleep(0.005)
+(``is_completed()``) comes before its callbacks run: the exit waits for the
+callbacks themselves, since one that runs after it would run while the
+interpreter finalizes."""
+exit_hazard(lambda: len(_with_callback))
 
 
 def _remember(work: dist.Work) -> None:
-    if not _with_callback:
-        atexit.unregister(_settle_at_exit)  # registered once at a time
-        atexit.register(_settle_at_exit)
     _with_callback[id(work)] = work
 
 
@@ -121,45 +109,46 @@ def _loop_waker(event: anyio.Event) -> Callable[[], None]:
     return wake
 
 
-_HOST = HostCompleted()
+async def await_work(work: dist.Work, *, timeout_s: float, what: str,
+                     completion: Completion = _HOST, watch: WaitWatch | None = None,
+                     peers: Sequence[int] = ()) -> None:
+    """Return once ``work`` has ended, without blocking the loop; raise its
+    own error, SyncTimeout ``timeout_s`` after the call (naming ``peers``),
+    or the path's failure as soon as ``watch`` knows it: :func:`await_ended`
+    with ppsync.core.wire.waits.wait_slices."""
+    slices = wait_slices(what, timeout_s=timeout_s, watch=watch, peers=peers,
+                         now=anyio.current_time)
+    await await_ended(work, slices, what=what, completion=completion)
 
 
-async def await_work(
-    work: dist.Work,
-    *,
-    timeout_s: float,
-    what: str,
-    peer: int | None,
-    board: FailureBoard | None = None,
-    completion: Completion = _HOST,
-) -> None:
-    """Return once ``work`` has completed, without blocking the loop; raise
-    SyncTimeout after ``timeout_s`` and PeerLost if the transfer failed or,
-    with a ``board``, as soon as another rank posted a failure there.
-    ``completion``: the group's semantics (default gloo's); on a
-    stream-ordered group the future says nothing, so the work's end is polled
-    (:func:`_polled`) and no stream is ordered.
+async def await_ended(work: dist.Work, slices: Generator[float, None, None], *, what: str,
+                      completion: Completion) -> None:
+    """Return once ``work`` has ended, without blocking the loop; raise its
+    own error, or what ``slices`` raises (ppsync.core.wire.waits.wait_slices:
+    the path's failure, the wait's bound). ``completion``: the group's
+    semantics; on a stream-ordered group the future says nothing, so the
+    work's end is polled (:func:`_polled`) and no stream is ordered.
 
     Cancellation leaves the work untouched (it still completes in the
     background and its owner keeps its buffer alive)."""
-    if completion.stream_ordered:
-        await _polled(work, completion, timeout_s=timeout_s, what=what, board=board)
-    elif not has_ended(work):
-        event = anyio.Event()
-        if not _ended_inline(work, _loop_waker(event)):
-            await _woken(event, timeout_s=timeout_s, what=what, board=board)
+    with contextlib.closing(slices):  # a wait that ends says so at once (its watch)
+        if completion.stream_ordered:
+            await _polled(work, completion, slices)
+        elif not has_ended(work):
+            event = anyio.Event()
+            if not _ended_inline(work, _loop_waker(event)):
+                await _woken(event, slices)
     # Ended: this returns at once, or raises the transfer's own error; it
     # never blocks the loop.
-    completion.wait(work, timeout_s=timeout_s, what=what, peer=peer)
+    completion.wait(work, timeout_s=0.0, what=what, peer=None)
 
 
-async def _polled(work: dist.Work, completion: Completion, *, timeout_s: float, what: str,
-                  board: FailureBoard | None) -> None:
+async def _polled(work: dist.Work, completion: Completion,
+                  slices: Generator[float, None, None]) -> None:
     """Sleep until ``completion`` says ``work`` ended (pauses doubling from
-    POLL_FIRST_S to POLL_MAX_S: the loop runs other tasks meanwhile), under
-    the deadline and the board's slices."""
+    POLL_FIRST_S to POLL_MAX_S: the loop runs other tasks meanwhile)."""
     pause = POLL_FIRST_S
-    for slice_s in board_slices(what, timeout_s=timeout_s, board=board, now=anyio.current_time):
+    for slice_s in slices:
         end = anyio.current_time() + slice_s
         while not completion.ended(work):
             if anyio.current_time() >= end:
@@ -170,12 +159,9 @@ async def _polled(work: dist.Work, completion: Completion, *, timeout_s: float, 
             return
 
 
-async def _woken(
-    event: anyio.Event, *, timeout_s: float, what: str, board: FailureBoard | None
-) -> None:
-    """Await ``event`` (set by the work's callback through the loop) under
-    the deadline, checking the board every slice (ppsync.core.wire.waits.board_slices)."""
-    for slice_s in board_slices(what, timeout_s=timeout_s, board=board, now=anyio.current_time):
+async def _woken(event: anyio.Event, slices: Generator[float, None, None]) -> None:
+    """Await ``event`` (set by the work's callback through the loop) slice by slice."""
+    for slice_s in slices:
         with anyio.move_on_after(slice_s):
             await event.wait()
         if event.is_set():
@@ -209,26 +195,31 @@ def _ended_inline(work: dist.Work, wake: Callable[[], None]) -> bool:
     return ended or flag.is_set()
 
 
-async def await_path_work(path: TokenPath, work: dist.Work, what: str) -> None:
-    """:func:`await_work` for one of ``path``'s transfers; a failure is posted
-    on the path's board and re-raised naming the lost peers."""
+async def await_path_work(path: TokenPath, work: dist.Work, what: str, *,
+                          bounded: bool = True) -> None:
+    """:func:`await_work` for one of ``path``'s transfers: a wait bounded by
+    ``timeout_s`` from now (``bounded`` False: a transfer no engine call
+    waits on, ended only by a failure); a failure is posted on the path's
+    board and re-raised naming the lost peers."""
+    watcher = path.watcher
+    slices = wait_slices(f"rank {path.rank}: {what}",
+                         timeout_s=path.config.timeout_s if bounded else None,
+                         watch=watcher, peers=watcher.peers, now=anyio.current_time)
     try:
-        await await_work(
-            work, timeout_s=path.config.timeout_s, what=f"rank {path.rank}: {what}",
-            peer=None, board=path.board, completion=path.completion,
-        )
+        await await_ended(work, slices, what=f"rank {path.rank}: {what}",
+                          completion=path.completion)
     except PPSyncError as e:
         board = path.board
-        if board is None:
-            raise
-        observed = not isinstance(e, Relayed)
-        # post first, so the others can settle too
-        path.failed(e, settle=False, observed=observed, dump=False)
-        # give the survivors the board's grace to post: a bounded wait, failure path only
-        deadline = anyio.current_time() + board.grace_s
-        while len(board.missing()) > 1 and anyio.current_time() < deadline:  # noqa: ASYNC110 (a store, not an event)
-            await anyio.sleep(0.05)
-        named = path.failed(e, settle=False, observed=observed)
+        if board is None or e is path.failures.final:
+            named = path.failed(e, settle=False, observed=not isinstance(e, Relayed))
+        else:
+            observed = not isinstance(e, Relayed)
+            path.failures.post(e, observed=observed)  # first, so the others can settle too
+            # give the survivors the board's grace to post: a bounded wait, failure path only
+            deadline = anyio.current_time() + board.grace_s
+            while len(board.missing()) > 1 and anyio.current_time() < deadline:  # noqa: ASYNC110 (a store, not an event)
+                await anyio.sleep(0.05)
+            named = path.failed(e, settle=False, observed=observed)
         if named is e:
             raise
         raise named from e

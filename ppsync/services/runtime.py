@@ -43,7 +43,7 @@ from ppsync.core.rules import BatchView
 from ppsync.core.wire.board import FailureBoard
 from ppsync.errors import PeerLost, PPSyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
-from ppsync.services.awaiting import await_work
+from ppsync.services.awaiting import await_ended
 from ppsync.services.endpoints import BroadcastService, ReceiveService
 
 SERVICE_NAMES = CallNames(consume="take", post="post", publish="publish")
@@ -150,9 +150,9 @@ async def open_rank(
         work = path.handshake_work()
         assert work is not None  # wait_handshake=False: finish_handshake is due
         try:
-            await await_work(work, timeout_s=config.timeout_s,
-                             what=f"rank {path.rank}: configuration handshake", peer=None,
-                             completion=path.completion)
+            await await_ended(work, path.handshake_slices(),
+                              what=f"rank {path.rank}: configuration handshake",
+                              completion=path.completion)
         except SyncTimeout as e:
             raise path.handshake_error(e) from None
         path.finish_handshake()

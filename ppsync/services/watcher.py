@@ -5,6 +5,10 @@ silent transfer into PeerLost / SyncTimeout, so a dead peer reaches the engine
 even while the engine is not calling ppsync. (The token path itself keeps each
 frame buffer until its transfer completed, then recycles it.)
 
+Its waits have no time bound of their own (a healthy transfer may stay
+pending for a pipeline's whole latency): a failure the rank's watcher
+thread finds (ppsync.core.wire.rank_watch) ends them.
+
 It costs no task switch and no loop wake-up while the engine is busy: gloo
 completes one group's work in issue order, and in a pipelined engine a
 transfer has usually completed by the time the next one is issued, so each
@@ -63,8 +67,11 @@ class Watcher:
 
     async def _done(self, item: Issued) -> None:
         """Returns at once for a completed transfer, or raises its error;
-        awaits an incomplete one by notification."""
-        await await_path_work(self.path, item.work, f"transfer of frame {item.seq}")
+        awaits an incomplete one by notification, for as long as it takes
+        (no engine call waits on it: only a failure the rank's watcher
+        finds, a silent or lost peer, ends it)."""
+        await await_path_work(self.path, item.work, f"transfer of frame {item.seq}",
+                              bounded=False)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Watch until :meth:`close`, then drain what was issued."""

@@ -7,7 +7,6 @@ work and a capture."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from ppsync.bench import gpu_capture_check as capture
 from ppsync.bench import gpu_failure_checks as failure
 from ppsync.bench.fresh import in_fresh_process
 from ppsync.core.wire.completion import StreamOrdered
-from ppsync.core.wire.completion.guard import DeadlineGuard
+from ppsync.core.wire.platform import Platform
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU dry run; on a GPU run make gpu-check")
@@ -115,26 +114,17 @@ def _survives(go_on: Any) -> tuple[str | None, bool | None]:
     return None, True
 
 
-def _guarded(timeout_s: float) -> StreamOrdered:
-    """NCCL's completion with a deadline guard as ``bind`` makes it (CPU: no
-    capture mode to set), without a group."""
-    completion = StreamOrdered("nccl")
-    completion.guard = DeadlineGuard(timeout_s, lambda e: None, contextlib.nullcontext)
-    return completion
-
-
 @pytest.mark.parametrize("poller", ["guard", "services"])
 def test_a_capture_that_survives_the_polls_passes(poller: str) -> None:
-    completion = _guarded(2.0)  # the guard looks every 0.25 s
-    start = (capture.guard_poller(completion) if poller == "guard"
-             else capture.services_poller(completion))
+    completion = StreamOrdered("nccl")  # NCCL's completion, without a group
+    start = (capture.watcher_poller(completion, Platform(torch.device("cpu")))
+             if poller == "guard" else capture.services_poller(completion))
     res = capture.polled_capture(PendingFor(1.5), start, _survives, bound_s=1.2)
-    completion.close()
     assert res["pending_at_capture"] and res["polls_during"] >= 1
     assert res["poll_error"] is None and res["poller_error"] is None
     assert res["replay_ok"] is True and res["capture_error"] is None
     ok, detail = capture.capture_verdict({"guard": res, "services": res})
-    assert ok and "ppsync's deadline guard polling: survived" in detail
+    assert ok and "ppsync's rank watcher polling: survived" in detail
 
 
 def test_a_capture_invalidated_by_a_poll_fails_and_says_what_broke() -> None:
@@ -153,7 +143,7 @@ def test_a_capture_invalidated_by_a_poll_fails_and_says_what_broke() -> None:
     assert res["poll_error"].startswith("RuntimeError: CUDA error: operation not permitted")
     assert res["poller_error"] is not None  # the services' wait saw the poll raise
     ok, detail = capture.capture_verdict({"guard": res, "services": res})
-    assert not ok and "guard polling: INVALIDATED (RuntimeError" in detail
+    assert not ok and "watcher polling: INVALIDATED (RuntimeError" in detail
     # the services' loop on another thread is reported, not judged
     fine = {**res, "capture_error": None, "poll_error": None, "poller_error": None,
             "replay_ok": True}

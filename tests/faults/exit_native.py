@@ -7,10 +7,16 @@ Argument: SITE, one of
 - ``bare``: the op itself, unguarded (what every site did before
   ppsync.core.wire.teardown.native_call);
 - ``native``: the op inside ``native_call()``;
-- ``board``: the op as the failure board's store call (``_bounded``);
+- ``board``: the op as the failure board's store call (its store worker);
 - ``stream``: the op as work queued on a CPU twin's side stream;
 - ``abort``: the op as the twin of NCCL's abort (it fills pending
-  receives' buffers).
+  receives' buffers);
+- ``outlives-return``, ``outlives-raise``, ``outlives-status``: one call
+  inside ``native_call()`` that lasts far past the exit hook's bound (as a
+  real ``ncclCommAbort`` may), the main thread returning, raising, or
+  saying its status (``exit_status(3)``) first: the hook ends the process
+  with that status (0, 1, 3), its output flushed, instead of letting the
+  call return into a finalizing interpreter.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ from collections.abc import Callable
 
 import torch
 
-from ppsync.core.wire.board import _bounded
+from ppsync.core.wire.board import _StoreWorker
 from ppsync.core.wire.completion.twin import TwinGroup, TwinWork
 from ppsync.core.wire.completion.twin_streams import TwinStream
-from ppsync.core.wire.teardown import native_call
+from ppsync.core.wire.teardown import NATIVE_EXIT_S, exit_status, native_call
 
 BUF = torch.empty(4_000_000, dtype=torch.int64)  # one fill: milliseconds, the interpreter let go
 
@@ -56,7 +62,8 @@ def main() -> None:
                 fill()
         _loop(guarded)
     elif site == "board":
-        _loop(lambda: _bounded(fill, None, 5.0))
+        worker = _StoreWorker()
+        _loop(lambda: worker.ask(fill, None, 5.0))
     elif site == "stream":
         stream = TwinStream("side", main=False)
         for _ in range(5000):  # seconds of queued work
@@ -67,6 +74,20 @@ def main() -> None:
         twin = TwinGroup(None, "xccl", 0.0, 0.0)  # type: ignore[arg-type]
         PENDING.append(TwinWork(twin, frame=True, root=False, buf=BUF))
         _loop(twin.abort_comms)
+    elif site.startswith("outlives-"):
+        def long_call() -> None:
+            with native_call():
+                end = time.monotonic() + 4 * NATIVE_EXIT_S
+                while time.monotonic() < end:
+                    fill()
+        threading.Thread(target=long_call, daemon=True).start()
+        time.sleep(0.3)
+        print("main returns")  # not flushed here: the hook's end flushes it
+        if site == "outlives-raise":
+            raise RuntimeError("the engine raised")
+        if site == "outlives-status":
+            exit_status(3)
+        return
     else:
         raise SystemExit(f"unknown site {site!r}")
     time.sleep(0.3)  # the thread is well into its calls

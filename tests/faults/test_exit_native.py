@@ -51,3 +51,17 @@ def test_the_exit_waits_for_a_daemon_threads_call_into_torch(site: str) -> None:
     assert "main returns" in done.stdout, done.stderr[-2000:]
     assert "terminate called" not in done.stderr, done.stderr[-2000:]
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("how", "status"), [("return", 0), ("raise", 1), ("status", 3)])
+def test_a_call_that_outlives_the_exit_bound_ends_the_process_with_its_status(
+        how: str, status: int) -> None:
+    """A daemon thread's call into torch that lasts past the exit hook's
+    bound (a real ncclCommAbort takes seconds): the hook ends the process
+    itself, with the status it was exiting with and its stdout flushed,
+    before the call can return into a finalizing interpreter."""
+    done = _exit_of(f"outlives-{how}")
+    assert "main returns" in done.stdout, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == status, (done.returncode, done.stderr[-2000:])

@@ -15,8 +15,16 @@ def test_defaults() -> None:
     assert cfg.max_num_reqs == 16
     assert cfg.num_speculative_steps == 0
     assert cfg.ring_depth is None
-    assert cfg.timeout_s == 60.0
+    assert cfg.timeout_s == 300.0  # of the order of vLLM's execute-model timeout
+    assert cfg.silent_s == 15.0
+    assert cfg.max_pending_s == 86400.0
     assert cfg.wire == "fixed"
+
+
+def test_the_cap_on_a_pending_transfer_allows_a_whole_wait() -> None:
+    with pytest.raises(ConfigError, match=r"max_pending_s = 10 is below timeout_s = 20; a "
+                                          r"transfer's cap must allow a whole wait"):
+        SyncConfig.build(pp_size=2, max_num_reqs=4, timeout_s=20.0, max_pending_s=10.0)
 
 
 def test_depth_defaults_to_pp_size() -> None:

@@ -43,7 +43,7 @@ async def _returns_without_waiting(work: dist.Work) -> bool:
     reached = False
     with anyio.CancelScope() as scope:
         scope.cancel()
-        await await_work(work, timeout_s=1.0, what="rank 0: test broadcast", peer=None)
+        await await_work(work, timeout_s=1.0, what="rank 0: test broadcast")
         reached = True  # only if await_work() never reached a checkpoint
     return reached and not scope.cancelled_caught
 
@@ -88,13 +88,13 @@ async def _three_waits(work: dist.Work, buf: torch.Tensor) -> Waits:
     what, peer = "rank 0: test receive", 1
     timeout = ("", "")
     try:
-        await await_work(work, timeout_s=SHORT_S, what=what, peer=peer)
+        await await_work(work, timeout_s=SHORT_S, what=what, peers=(peer,))
     except SyncTimeout as e:
         timeout = (type(e).__name__, str(e))
     with anyio.move_on_after(0.1):
-        await await_work(work, timeout_s=TIMEOUT_S, what=what, peer=peer)
+        await await_work(work, timeout_s=TIMEOUT_S, what=what, peers=(peer,))
     pending = not work.is_completed()
-    await await_work(work, timeout_s=TIMEOUT_S, what=what, peer=peer)
+    await await_work(work, timeout_s=TIMEOUT_S, what=what, peers=(peer,))
     return Waits(timeout, pending, time.perf_counter() - start, buf.tolist())
 
 
@@ -115,7 +115,8 @@ def test_pending_work_times_out_survives_cancel_then_completes(framework: Framew
     assert waits is not None
     kind, message = waits.timeout
     assert kind == "SyncTimeout", waits
-    assert re.fullmatch(r"rank 0: test receive: no completion within timeout_s = 0\.2", message)
+    assert re.fullmatch(r"rank 0: test receive: no completion within timeout_s = 0\.2 of the "
+                        r"wait", message), message
     # neither the timeout nor the cancellation touched the work: it was still
     # pending, and the next wait got the peer's data
     assert waits.cancelled_pending, waits

@@ -38,6 +38,7 @@ from ppsync.schemas.config import SyncConfig
 from ppsync.services.runtime import open_rank
 
 TIMEOUT_S = 10.0  # collectives; far above every cancel deadline below
+START_S = 5.0  # room for start-up (the deadlines count from inside open_rank)
 MAX_STEPS = 300
 SEED = 5
 
@@ -82,9 +83,11 @@ async def _engine(
     wcfg = workload_config(config, steps=MAX_STEPS, seed=SEED)
     loop = StepLoop(wcfg, config.pp_size - 1 == dist.get_rank(group))
     steps, by, cancelled_at = 0, "", 0.0
-    with anyio.move_on_after(stop.deadline_s) as deadline:
+    with anyio.move_on_after(stop.deadline_s + START_S) as deadline:
         try:
             async with anyio.create_task_group() as tg, open_rank(config, group) as rank:
+                # the deadline counts from the block (start-up takes its own time)
+                deadline.deadline = anyio.current_time() + stop.deadline_s
                 for t in range(MAX_STEPS):
                     if t == stop.after_steps:
                         by, cancelled_at = "steps", anyio.current_time()

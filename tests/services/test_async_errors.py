@@ -150,10 +150,10 @@ def test_wrong_role_and_bad_input_raise_before_any_collective(framework: Framewo
                 pattern, message), (label, message)
 
 
-# -- a silent peer -------------------------------------------------------------------
+# -- a peer alive but stuck in its engine ------------------------------------------------
 
 SHORT_TIMEOUT_S = 1.0
-SILENT_S = 1.8  # the silent peer stays alive, saying nothing, past the timeout
+SILENT_S = 1.8  # the peer stays alive, in its engine, sending nothing, past the timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +202,11 @@ def _silence_rank(config: SyncConfig, framework: Framework, mode: Mode, env: Ran
 
 @pytest.mark.parametrize(("framework", "mode"), [("asyncio", "gloo"), ("trio", "gloo"),
                                              ("asyncio", "twin"), ("trio", "twin")])
-def test_silent_peer_is_a_sync_timeout_within_timeout_s(framework: Framework, mode: Mode) -> None:
+def test_a_stuck_peer_is_a_sync_timeout_at_timeout_s_saying_what_it_does(
+        framework: Framework, mode: Mode) -> None:
+    """A peer alive (its heartbeat runs) but stuck in its engine: the wait
+    ends at timeout_s from its start, and the error says the peer is alive
+    and what it was doing, never that it is silent."""
     config = in_mode(SyncConfig.build(
         pp_size=2, max_num_reqs=MAX_NUM_REQS, ring_depth=1, timeout_s=SHORT_TIMEOUT_S
     ), mode)
@@ -214,6 +218,9 @@ def test_silent_peer_is_a_sync_timeout_within_timeout_s(framework: Framework, mo
     assert re.search(r"rank 0: .*no completion within timeout_s = 1\.0", receiver.message), (
         receiver.message
     )
+    assert re.search(r"rank 1 \(PP stage 1\): alive, in its engine's step \d+",
+                     receiver.message), receiver.message
+    assert "silent" not in receiver.message, receiver.message
     # bounded by the configured timeout, not by gloo's or the launcher's
     assert SHORT_TIMEOUT_S * 0.9 <= receiver.after_s < SHORT_TIMEOUT_S + 1.5, receiver
     # the error path leaves no thread of ppsync's behind either

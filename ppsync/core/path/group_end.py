@@ -1,8 +1,8 @@
 """One rank's end of a token group: who is who in it, what its works mean
 (the completion semantics), how its frames are issued and packed (the
 transport and the codec), the start-up handshake, the transfers in flight
-(the ring of posted receives, the sends held until they end) and every
-bounded wait on them, its failures, its flight recorder, and its close. It
+(the ring of posted receives, the sends held until they end), every bounded
+wait on them, its watcher, its failures, its flight recorder, its close. It
 knows no step protocol: :class:`~ppsync.core.path.token_path.TokenPath` adds the
 need mask, the generations and the roles' calls on top.
 
@@ -13,7 +13,7 @@ which codec it has.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -35,9 +35,10 @@ from ppsync.core.wire.completion import Completion, completion_for
 from ppsync.core.wire.completion.base import aborted_error
 from ppsync.core.wire.groups import group_facts
 from ppsync.core.wire.platform import Platform, platform_for
-from ppsync.core.wire.teardown import keep_until_exit
+from ppsync.core.wire.rank_watch import RankWatcher
+from ppsync.core.wire.teardown import aborted_cause, keep_until_exit
 from ppsync.core.wire.transport import Broadcaster, TransportClock
-from ppsync.core.wire.waits import InFlight, Waits
+from ppsync.core.wire.waits import InFlight, Waits, wait_slices
 from ppsync.errors import (
     BatchError,
     ConfigError,
@@ -78,6 +79,11 @@ class GroupEnd:
             raise ConfigError(
                 f"pp_size = {config.pp_size} but the group has {size} ranks; they must match"
             )
+        earlier = aborted_cause(group)
+        if earlier is not None:
+            raise ConfigError(f"group {group_ranks}: an earlier token path on it failed "
+                              f"({earlier}); its transfers may still be pending: build the new "
+                              "token path on a new group")
         self.config = config
         self.names = names
         self.group = group
@@ -96,36 +102,31 @@ class GroupEnd:
         self.platform = self.completion.platform(
             platform if isinstance(platform, Platform) else platform_for(device, platform))
         self.backend = backend
-        self.completion.bind(group, config.timeout_s, self.platform)
-        # chosen before the handshake: a codec the backend cannot carry raises
-        # before anything is issued
-        self.codec: StepCodec = codec_for(config, self.platform, completion=self.completion,
-                                          backend=backend, rank=self.rank, src=self.src)
-        """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
-        on_device = self.completion.device_only
-        self.handshake: Handshake | None = Handshake(
-            config, group, rank=self.rank, completion=self.completion, board=self.board,
-            device=self.platform.device if on_device else None,
-            device_kernels=self.codec.device_kernels_name)
-        """Issued at once; finished here, or by the caller (``wait_handshake``
-        False: an event loop awaits :meth:`handshake_work`, then calls
-        finish_handshake)."""
+        self.completion.bind(group, config.max_pending_s, self.platform)
         self.failures = PathFailures(group, rank=rank, board=self.board,
                                      completion=self.completion)
         """Names, aborts and tells this path's failures (ppsync.core.path.failures)."""
-        self.run_id = 0
-        """Agreed by every rank at the handshake; scopes the failure board."""
-        if wait_handshake:
-            self.finish_handshake()
         self.ring: SlotRing[PendingStep] = SlotRing(config.depth)
         self.seq = 0  # frames issued on this group so far
         self.steps = 0  # post/publish calls so far (the subclass's steps)
         self._inflight = InFlight(config.depth)
-        self._waits = Waits(self.rank, config.timeout_s, self.board,
-                            lambda err, observed: self.failed(err, observed=observed),
-                            self.completion)
         self._closed = False
         self._last_issued: tuple[int, dist.Work] | None = None
+        self.handshake: Handshake | None = None
+        self.on_tick: Callable[[], None] | None = None
+        """Called by the watcher each round while no engine call runs (the
+        vLLM adapter sends a step it held for drafts that did not come)."""
+        others = [r for r in group_ranks if r != self.global_rank]
+        self.watcher = RankWatcher(self, board=self.board, me=self.global_rank,
+                                   ranks=group_ranks, peers=others if self.is_last else [self.src],
+                                   completion=self.completion, platform=self.platform,
+                                   silent_s=config.silent_s, max_pending_s=config.max_pending_s)
+        """This rank's one watcher thread (ppsync.core.wire.rank_watch): its
+        heartbeat, its peers' liveness, failures found off the engine's thread."""
+        self.failures.peers = self.watcher.peer_view
+        self._waits = Waits(self.rank, config.timeout_s,
+                            lambda err, observed: self.failed(err, observed=observed),
+                            self.completion, watch=self.watcher, peers=self.watcher.peers)
         self.recorder = FlightRecorder(config.flight_events, is_last=self.is_last,
                                        depth=config.depth)
         """This path's flight recorder (ppsync.core.recorder.flight); see :meth:`dump`."""
@@ -133,7 +134,38 @@ class GroupEnd:
         """Write an error's dump in the failing call (True), or hand it to
         the dump writer thread (False: an event loop's thread never writes
         one; ppsync.core.recorder.writer.flush_dumps waits for it)."""
+        # alive and arrived before the codec's warm-up (a rank compiling its
+        # kernels for minutes is starting, not absent)
+        if self.board is not None:
+            self.board.arrive("handshake")
+        self.watcher.starting("building its codec")
+        self.watcher.start()
+        try:
+            # chosen before the handshake: a codec the backend cannot carry
+            # raises before anything is issued
+            self.codec: StepCodec = codec_for(
+                config, self.platform, completion=self.completion, backend=backend,
+                rank=self.rank, src=self.src)
+            """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
+            self.watcher.starting("configuration handshake")
+            # beating before joining: a peer that reads this rank's beat after
+            # the handshake knows it is this run's (ppsync.core.wire.heartbeat)
+            if self.board is not None:
+                self.watcher.first_beat.wait(self.board.op_timeout_s)
+            self.handshake = Handshake(
+                config, group, rank=self.rank, completion=self.completion,
+                device=self.platform.device if self.completion.device_only else None,
+                device_kernels=self.codec.device_kernels_name)
+            """Issued at once; finished here, or by the caller (``wait_handshake``
+            False: an event loop awaits :meth:`handshake_work` under
+            :meth:`handshake_slices`, then calls finish_handshake)."""
+        except BaseException:
+            self.watcher.stop()
+            raise
+        self.run_id = 0  # agreed by every rank at the handshake; scopes the failure board
         register(self)
+        if wait_handshake:
+            self.finish_handshake()
 
     def finish_handshake(self) -> None:
         """Check the start-up handshake (DesyncError if any rank's
@@ -142,17 +174,46 @@ class GroupEnd:
         if self.handshake is None:
             return
         try:
+            for slice_s in self.handshake_slices():
+                try:
+                    self.completion.wait(self.handshake.work, timeout_s=slice_s,
+                                         what=f"rank {self.rank}: configuration handshake",
+                                         peer=None)
+                    break
+                except SyncTimeout:
+                    if self.completion.ended(self.handshake.work):
+                        raise
             self.run_id = self.handshake.finish()
         except SyncTimeout as e:
+            self.watcher.stop()
             raise self.handshake_error(e) from None
+        except BaseException:
+            self.watcher.stop()
+            raise
         self.handshake = None
+        self.watcher.starting(None)
+        self.watcher.peer_view.joined()
         if self.board is not None:
             self.board.bind_run(self.run_id)
 
+    def handshake_slices(self) -> Generator[float, None, None]:
+        """The slices of the wait for the start-up handshake (an event loop
+        awaits :meth:`handshake_work` through them): past ``timeout_s`` it
+        ends only if a rank of the group is not alive (never seen beating,
+        or silent: then ``never_arrived`` names the absent ones); a rank
+        that beats is starting (compiling its kernels, loading a model) and
+        is waited for, with a log line at growing intervals."""
+        what = f"rank {self.rank}: configuration handshake"
+        others = [r for r in self.group_ranks if r != self.global_rank]
+        view = self.watcher.peer_view
+        return wait_slices(what, timeout_s=self.config.timeout_s, watch=self.watcher,
+                           peers=others,
+                           keep_waiting=lambda: self.board is not None and all(
+                               view.alive(r) for r in others))
+
     @property
     def clock(self) -> TransportClock | None:
-        """When set, collects the CPU time of issues and of real waits (a
-        benchmark's; see ppsync.core.wire.transport.TransportClock)."""
+        """Collects the CPU time of issues and real waits, when set (a bench's)."""
         return self._waits.clock
 
     @clock.setter
@@ -165,9 +226,6 @@ class GroupEnd:
         work = self.transport.issue(buf)
         if clock is not None:
             clock.issue_ns += time.thread_time_ns() - t0
-        if self.completion.stream_ordered:  # bounded from its post (completion.guard)
-            what = "send" if self.is_last else "receive"
-            self.completion.issued(work, f"rank {self.rank}: {what} of frame {self.seq}")
         return work
 
     # -- the async contract (ppsync.core.path.token_path) -----------------------
@@ -189,11 +247,11 @@ class GroupEnd:
     def _check_open(self) -> None:
         if self._closed:
             raise ProtocolError(f"rank {self.rank}: token path used after close()")
-        cause = self.completion.cause
-        if cause is not None:  # an aborted group: nothing of it is used again
-            if self.failures.raised is None:  # aborted off this thread (the deadline guard)
-                raise self.failed(cause)
-            raise aborted_error(self.failures.raised, f"rank {self.rank}: token path used")
+        final = self.failures.final
+        if final is not None:  # a failed path: nothing of its group is used again
+            if not self.failures.told:  # found off this thread (its watcher)
+                raise self.failed(final)
+            raise aborted_error(final, f"rank {self.rank}: token path used")
         if self.handshake is not None:
             raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
                                 "handshake finished (finish_handshake())")
@@ -224,8 +282,40 @@ class GroupEnd:
         and dumps that answer only)."""
         named = self.failures.named(err, settle=settle, observed=observed)
         if dump:
+            self.failures.told = self.failures.told or named is self.failures.final
             dump_on_error(self, named)
         return named
+
+    # -- what the watcher watches (ppsync.core.wire.rank_watch.Watched) --------
+
+    def outstanding(self) -> list[dist.Work]:
+        """The works issued and not yet released, as a snapshot: the ring's
+        posted receives, the transfers kept in flight, the handshake's."""
+        try:
+            works = [p.work for p in self.ring.pending() if p is not None]
+            works += self._inflight.works()
+        except RuntimeError:  # the engine's thread changed them meanwhile: next round
+            return []
+        shake = self.handshake
+        if shake is not None:
+            works.append(shake.work)
+        return works
+
+    def step_count(self) -> int:
+        return self.steps
+
+    def fail_in_background(self, err: PPSyncError, observed: bool) -> PPSyncError:
+        """Fail the path for what its watcher found (the engine's next call,
+        or its current wait, raises it); no dump here: the engine's thread
+        records it when raised, or the watcher's ``on_failure`` does."""
+        return self.failures.named(err, settle=True, observed=observed)
+
+    def failure(self) -> PPSyncError | None:
+        return self.failures.final
+
+    def tick(self) -> None:
+        if self.on_tick is not None and not self._closed:
+            self.on_tick()
 
     def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
         """The start-up handshake's timeout as raised (an event loop's
@@ -270,7 +360,7 @@ class GroupEnd:
         try:
             # an aborted group's buffers are never drained nor checked: the
             # abort's cause was raised already
-            if drain and self.completion.cause is None:
+            if drain and self.failures.final is None:
                 for pending in self.ring.pending():
                     self._waits.wait(pending.work,
                                      f"draining receive of frame {pending.frame.seq}")
@@ -284,6 +374,7 @@ class GroupEnd:
             self.ring.clear()
             self._inflight.clear()
             self._closed = True
+            self.watcher.stop()
             if abandoned:  # stream-ordered: no stream waits on them forever
                 self.failures.abort(ProtocolError(
                     f"rank {self.rank}: the token path was closed with transfers in flight"))
@@ -292,9 +383,10 @@ class GroupEnd:
                 # (the CPU twin's gloo): the group is never destroyed
                 keep_until_exit(self.group)
             self.codec.close()
-            self.completion.close()
             if abandoned or reason is not None:
                 self.leave(reason or "closed with transfers in flight")
+            if self.board is not None:
+                self.board.rest()
 
     @property
     def closed(self) -> bool:

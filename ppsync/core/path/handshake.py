@@ -47,16 +47,16 @@ class Handshake:
     :meth:`finish`, so the wait for slow peers never blocks the loop."""
 
     def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int,
-                 completion: Completion, board: FailureBoard | None = None,
-                 device: torch.device | None = None, device_kernels: str = "none") -> None:
-        """``completion``: the group's semantics (on a stream-ordered group the
-        wait polls the work's end, then orders the current stream after it);
+                 completion: Completion, device: torch.device | None = None,
+                 device_kernels: str = "none") -> None:
+        """``completion``: the group's semantics (the current stream is
+        ordered after the gathered words before they are read);
         ``device``: where the words go (an NCCL / XCCL group takes device
         tensors only; start-up, so reading them back is no hot-path sync);
-        ``device_kernels``: the device codec's kernel set ("none": host codec);
-        ``board``: where this rank marks its arrival (:func:`never_arrived`)."""
-        if board is not None:
-            board.arrive("handshake")
+        ``device_kernels``: the device codec's kernel set ("none": host codec).
+        The rank marks its arrival on the failure board before it builds its
+        codec (ppsync.core.path.group_end), so that :func:`never_arrived`
+        names only the ranks that never started."""
         self.config = config
         self.completion = completion
         self.rank = rank
@@ -69,12 +69,12 @@ class Handshake:
         self.work: dist.Work = completion.adopt(group.allgather([self._gathered], [mine]))
 
     def finish(self) -> int:
-        """Wait (bounded) for every rank's words and raise DesyncError, on
-        every rank alike, if any rank differs. Returns the run id the ranks
-        agree on: group rank 0's random nonce, gathered with the words (it
-        scopes the failure board to this run)."""
-        config, rank = self.config, self.rank
-        self.completion.wait(self.work, timeout_s=config.timeout_s,
+        """Once :attr:`work` ended (the caller waited for it), raise
+        DesyncError, on every rank alike, if any rank's words differ.
+        Returns the run id the ranks agree on: group rank 0's random nonce,
+        gathered with the words (it scopes the failure board to this run)."""
+        rank = self.rank
+        self.completion.wait(self.work, timeout_s=0.0,  # ended: its own error, if any
                              what=f"rank {rank}: configuration handshake", peer=None)
         self.completion.order_after(self.work)  # start-up: the current stream, before .cpu()
         self._gathered = [g.cpu() for g in self._gathered]

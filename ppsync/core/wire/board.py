@@ -26,6 +26,8 @@ Every store call is bounded (``op_timeout_s``): a store whose host is stopped
 from __future__ import annotations
 
 import json
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store  # dist.Store, in a form mypy resolves
 
+from ppsync.core.wire.heartbeat import Peers
 from ppsync.core.wire.teardown import native_call
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
@@ -45,26 +48,71 @@ of the step), a rank that left its token path (its engine raised), a lost
 connection, a silence."""
 
 
-def _bounded(call: Callable[[], T], default: T, timeout_s: float) -> tuple[T, bool]:
-    """``call()`` in a daemon thread: (its result, True), or (``default``,
-    True) if it raised, or (``default``, False) if it did not return within
-    ``timeout_s`` (the thread is then left to the store)."""
-    box: list[T] = [default]
-    done = threading.Event()
-    for_main = threading.current_thread() is threading.main_thread()
+class _StoreWorker:
+    """One daemon thread that makes a board's store calls in turn, so that
+    each call can be bounded (a store whose host is stopped never answers)
+    without a thread per call. A call that does not return leaves the
+    worker stuck there: the board then stops asking (``_silent``). The
+    thread ends when told to rest with nothing queued (the token path
+    closed), and starts again at the next call."""
 
-    def run() -> None:
-        try:
-            with native_call(for_main=for_main):  # a store call: the exit waits for it
-                box[0] = call()
-        except Exception:  # a dead store: the caller gets the default
-            pass
-        finally:
-            done.set()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
 
-    threading.Thread(target=run, name="ppsync-board", daemon=True).start()
-    answered = done.wait(timeout_s)
-    return box[0], answered
+    def ask(self, call: Callable[[], T], default: T, timeout_s: float) -> tuple[T, bool]:
+        """``call()`` on the worker: (its result, True), or (``default``,
+        True) if it raised, or (``default``, False) if it did not return
+        within ``timeout_s``."""
+        box: list[T] = [default]
+        done = threading.Event()
+        for_main = threading.current_thread() is threading.main_thread()
+
+        def job() -> None:
+            try:
+                with native_call(for_main=for_main):  # a store call: the exit waits for it
+                    box[0] = call()
+            except Exception:  # a dead store: the caller gets the default
+                pass
+            finally:
+                done.set()
+
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: its parent's thread is not here
+                self._pid, self._running = os.getpid(), False
+                self._jobs = queue.SimpleQueue()
+            self._jobs.put(job)
+            if not self._running:
+                self._running = True
+                self._thread = threading.Thread(target=self._run, args=(self._jobs,),
+                                                name="ppsync-board", daemon=True)
+                self._thread.start()
+        answered = done.wait(timeout_s)
+        return box[0], answered
+
+    def rest(self, wait_s: float) -> None:
+        """Let the thread end once it has run what was queued; wait up to
+        ``wait_s`` for it."""
+        with self._lock:
+            thread = self._thread if self._running else None
+            if thread is not None:
+                self._jobs.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
+
+    def _run(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while True:
+            job = jobs.get()
+            if job is not None:
+                job()
+                continue
+            with self._lock:
+                if jobs.empty():
+                    self._running = False
+                    return
 
 
 class FailureBoard:
@@ -90,6 +138,8 @@ class FailureBoard:
         self._namespace = namespace
         self._posted = False
         self._silent = False  # the store once did not answer: it is not asked again
+        self._worker = _StoreWorker()
+        self._beating: set[int] = set()  # ranks whose beat key exists
         self.bind_run(0)
 
     @classmethod
@@ -116,9 +166,46 @@ class FailureBoard:
         stopped or cut-off store host would cost a timeout per call)."""
         if self._silent:
             return default
-        result, answered = _bounded(call, default, self.op_timeout_s)
+        result, answered = self._worker.ask(call, default, self.op_timeout_s)
         self._silent = not answered
         return result
+
+    def rest(self) -> None:
+        """No call is expected for a while (its token path closed): the
+        board's thread ends; the next call starts it again."""
+        self._worker.rest(self.op_timeout_s)
+
+    @property
+    def answers(self) -> bool:
+        """False once the store did not answer a call in time (it is not
+        asked again: nothing on this board can be told or read)."""
+        return not self._silent
+
+    # -- heartbeats (ppsync.core.wire.heartbeat) -------------------------------
+
+    def _beat_key(self, rank: int) -> str:
+        group_id = "-".join(str(r) for r in self.ranks)
+        return f"{self._namespace}/beat/{group_id}/{rank}"
+
+    def beat(self, text: str) -> None:
+        """Publish this rank's heartbeat (one store call)."""
+        self._ask(lambda: self.store.set(self._beat_key(self.me), text), None)
+
+    def look(self, ranks: Sequence[int]) -> tuple[dict[int, str], bool] | None:
+        """(the beats of ``ranks`` that exist, whether any rank posted a
+        failure), in one bounded call on the worker; None when the store
+        does not answer. A key is read only once it exists (a read of a
+        missing key would wait for it)."""
+        def read() -> tuple[dict[int, str], bool]:
+            for r in ranks:
+                if r not in self._beating and self.store.check([self._beat_key(r)]):
+                    self._beating.add(r)
+            known = [r for r in ranks if r in self._beating]
+            values = self.store.multi_get([self._beat_key(r) for r in known]) if known else []
+            failed = int(self.store.add(self._count, 0)) > 0
+            return {r: bytes(v).decode() for r, v in zip(known, values, strict=True)}, failed
+
+        return self._ask(read, None)
 
     def arrive(self, step: str) -> None:
         """This rank reached start-up ``step`` (each rank takes it once), so
@@ -196,6 +283,11 @@ class FailureBoard:
             time.sleep(0.05)
 
 
+class Relayed(PeerLost):
+    """A rank learned of a failure from another rank's notice on the board:
+    it saw nothing itself, so the board's notices decide the error."""
+
+
 def kind_of(err: PPSyncError) -> str:
     """The notice kind (one of KINDS) that ``err`` reports."""
     if isinstance(err, DesyncError):
@@ -207,14 +299,17 @@ def kind_of(err: PPSyncError) -> str:
 
 def verdict(
     own: PPSyncError, notices: list[dict[str, Any]], lost: list[int], *, rank: int,
-    observed: bool = True,
+    observed: bool = True, peers: Peers | None = None,
 ) -> PPSyncError:
     """The one error every rank raises for one cause, from the board's
     notices: a desync if any rank saw one; else a rank that left its token
     path, named; else PeerLost if any rank (or this one, when ``observed``)
     saw a connection fail, else SyncTimeout; both naming the first of ``lost``
     (the ranks that never posted) as ``peer``, or nobody when none is known.
-    ``own`` is what this rank saw (not ``observed``: it only read the board)."""
+    ``own`` is what this rank saw (not ``observed``: it only read the board).
+    ``peers``: what the heartbeats say of the ranks (ppsync.core.wire.heartbeat):
+    the silent ones are named first, and a rank that never posted but is
+    alive is named as alive and making no progress, never as silent."""
     if isinstance(own, DesyncError) and observed:
         return own
     for n in notices:
@@ -225,6 +320,9 @@ def verdict(
         if n["kind"] == "Left":
             return PeerLost(f"rank {n['rank']} (global) left its token path ({n['message']}); "
                             f"first seen here as {kind_of(own)}: {own}", peer=n["rank"])
+    if peers is not None:  # silent first, then not beating, then alive
+        silent = peers.silent(lost)
+        lost = sorted(lost, key=lambda r: (r not in silent, peers.alive(r)))
     peer = lost[0] if lost else None
     names = ", ".join(str(r) for r in lost)
     connection = any(n["kind"] == "PeerLost" for n in notices) or (
@@ -236,6 +334,11 @@ def verdict(
                         f"{kind_of(own)}: {own}", peer=peer)
     if peer is None:
         return own if isinstance(own, SyncTimeout) and observed else SyncTimeout(str(own))
+    if peers is not None and peers.alive(peer):
+        # it beats: alive, in its engine or a wait of its own, and no progress
+        return SyncTimeout(f"no progress from peer rank(s) {names} (global), alive but not "
+                           f"reporting a failure ({peers.describe(peer)}); {own}", peer=peer)
     # nobody saw a connection fail: the unposted ranks are silent, maybe stuck
-    return SyncTimeout(f"silent peer rank(s) {names} (global), no failure reported by any "
-                       f"rank; {own}", peer=peer)
+    told = f" ({peers.describe(peer)})" if peers is not None else ""
+    return SyncTimeout(f"silent peer rank(s) {names} (global){told}, no failure reported by "
+                       f"any rank; {own}", peer=peer)

@@ -134,6 +134,12 @@ class Platform:
         event query) from a thread other than the engine's: see CUDA's."""
         return nullcontext()
 
+    def enter_thread(self) -> None:
+        """Called first in a thread of ppsync's own that will touch the
+        device (the watcher): make the engine's device current there. A new
+        thread starts on device 0, and its first CUDA call there would
+        create a context on GPU 0 for a rank that is not on it."""
+
 
 class _AcceleratorPlatform(Platform):
     """CUDA and XPU: the same calls through ``torch.cuda`` / ``torch.xpu``."""
@@ -175,6 +181,9 @@ class _AcceleratorPlatform(Platform):
 
     def host_buffer(self, words: int) -> torch.Tensor:
         return torch.empty(words, dtype=torch.int64, pin_memory=True)
+
+    def enter_thread(self) -> None:
+        self._mod.set_device(self.device)
 
 
 class CudaPlatform(_AcceleratorPlatform):

@@ -150,6 +150,7 @@ def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None)
             # ppsync.core.wire.completion, order_after on its side stream)
             fut.value()
         else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            # at least 1 ms: a zero timeout is c10d's "no timeout" (wait for ever)
+            work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
     except RuntimeError as e:
         raise translate(e, what=what, timeout_s=timeout_s, peer=peer) from e

@@ -1,108 +1,162 @@
-"""How a token path waits, and what it raises when a wait fails.
+"""How a token path waits, and what it raises when a wait fails
+(docs/design.md, "Slow is not dead").
 
-A wait is bounded by ``timeout_s``; with a failure board it runs in slices
-of ``board.slice_s`` (:func:`board_slices`, shared by the synchronous waits
-here and the event loop's in ppsync.services.awaiting) so that a failure
-any rank posted ends it within about a slice. The error raised is the
-board's verdict (ppsync.core.wire.board): the same type on every rank for one
-cause, naming the culprit where known.
+A wait is bounded by ``timeout_s`` counted from when the wait began (never
+from the transfer's post: a receive posted at step T waits, by design, for
+every later stage to run T). It runs in slices of :data:`SLICE_S`; between
+slices it asks its path whether the path failed meanwhile (a failure its
+watcher found: a silent or lost peer, a notice on the failure board), a
+local read, so no store call is ever made on the waiting thread. While it
+waits it logs at growing intervals (:data:`REPORT_AT_S`) whom it waits for
+and what that peer is doing, as the peer's heartbeat says. A work that has
+already ended badly raises at once, with the backend's own message.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from ppsync.core.wire.board import FailureBoard, kind_of, verdict
+from ppsync.core.wire.board import FailureBoard, Relayed, kind_of, verdict
 from ppsync.core.wire.completion import Completion
+from ppsync.core.wire.heartbeat import Peers
 from ppsync.core.wire.transport import TransportClock
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
+
+SLICE_S = 0.25
+"""Longest a waiting thread goes without asking whether its path failed."""
+REPORT_AT_S = (10.0, 30.0, 60.0)
+"""When a long wait logs whom it waits for (seconds into it); then every minute."""
+
+log = logging.getLogger("ppsync")
 
 Failed = Callable[[PPSyncError, bool], PPSyncError]
 """(error, observed) -> the error to raise; see :func:`named_failure`."""
 
 
-class Relayed(PeerLost):
-    """A wait ended because another rank posted a failure on the board: this
-    rank saw nothing itself, so the board's notices decide the error."""
+class WaitWatch(Protocol):
+    """What a wait asks of its rank's watcher (ppsync.core.wire.rank_watch)."""
+
+    def begin(self, what: str) -> int:
+        """A wait for ``what`` begins (the rank's heartbeat says so); a token."""
+
+    def end(self, token: int) -> None: ...
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        """What the heartbeats say ``ranks`` are doing, for a message."""
+
+    def failure(self) -> PPSyncError | None:
+        """The path's failure once it failed (its watcher's or its own)."""
 
 
-def board_slices(what: str, *, timeout_s: float, board: FailureBoard | None,
-                 now: Callable[[], float] = time.monotonic) -> Iterator[float]:
-    """The lengths of the slices of a wait bounded by ``timeout_s`` (one
-    slice without a board). Between slices: SyncTimeout once the deadline
-    passed, :class:`Relayed` once another rank posted a failure."""
-    deadline = now() + timeout_s
-    step = timeout_s if board is None else board.slice_s
-    while True:
-        left = deadline - now()
-        if left <= 0:
-            raise SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s}")
-        yield max(0.001, min(left, step))
-        if board is not None and deadline > now() and board.anyone_failed():
-            raise Relayed(f"{what}: another rank reported a failure")
+def next_report(elapsed_s: float, reported: int) -> bool:
+    """Whether a wait ``elapsed_s`` long that logged ``reported`` lines is
+    due another (at 10 s, 30 s, 60 s, then every minute)."""
+    at = (REPORT_AT_S[reported] if reported < len(REPORT_AT_S)
+          else REPORT_AT_S[-1] * (reported - len(REPORT_AT_S) + 2))
+    return elapsed_s >= at
 
 
-def wait_on_board(work: dist.Work, what: str, *, timeout_s: float,
-                 board: FailureBoard | None, failed: Failed, completion: Completion) -> None:
-    """Wait for ``work`` at most ``timeout_s`` (as ``completion`` judges its
-    end); a failure (its own, a timeout, or one another rank posted) raises
-    ``failed(error, observed)``."""
+def wait_slices(what: str, *, timeout_s: float | None, watch: WaitWatch | None,
+                peers: Sequence[int], now: Callable[[], float] = time.monotonic,
+                keep_waiting: Callable[[], bool] | None = None
+                ) -> Generator[float, None, None]:
+    """The slices of one wait (shared by the synchronous waits here and the
+    event loop's in ppsync.services.awaiting): the path's failure, raised
+    as it is, as soon as the watcher set it; SyncTimeout, naming ``peers``
+    and what their heartbeats say, once ``timeout_s`` passed since the wait
+    began (None: no bound but the path's failure, for a transfer that no
+    engine call waits on; ``keep_waiting()`` True at the bound: the wait
+    goes on, as the start-up handshake does while every peer is alive); a
+    log line at growing intervals."""
+    start = now()
+    token = None if watch is None else watch.begin(what)
+    reported = 0
     try:
-        if board is None:
-            completion.wait(work, timeout_s=timeout_s, what=what, peer=None)
+        while True:
+            if watch is not None and (failure := watch.failure()) is not None:
+                raise failure
+            elapsed = now() - start
+            if (timeout_s is not None and elapsed >= timeout_s
+                    and (keep_waiting is None or not keep_waiting())):
+                told = "" if watch is None else f"; {watch.describe(peers)}"
+                raise SyncTimeout(f"{what}: no completion within timeout_s = {timeout_s} "
+                                  f"of the wait{told}",
+                                  peer=peers[0] if len(peers) == 1 else None)
+            if watch is not None and next_report(elapsed, reported):
+                reported += 1
+                log.warning("ppsync: %s: waiting for %.0f s; %s", what, elapsed,
+                            watch.describe(peers))
+            left = SLICE_S if timeout_s is None or elapsed >= timeout_s else timeout_s - elapsed
+            yield max(0.001, min(left, SLICE_S))
+    finally:
+        if watch is not None and token is not None:
+            watch.end(token)
+
+
+def bounded_wait(work: dist.Work, what: str, *, timeout_s: float, completion: Completion,
+                 watch: WaitWatch | None, peers: Sequence[int]) -> None:
+    """Wait for ``work`` (as ``completion`` judges its end) under
+    :func:`wait_slices`; a work that ended badly raises its own error at
+    once (a slice's timeout is told apart from the work's by its end)."""
+    if completion.ended(work):
+        completion.wait(work, timeout_s=timeout_s, what=what, peer=None)
+        return
+    for slice_s in wait_slices(what, timeout_s=timeout_s, watch=watch, peers=peers):
+        try:
+            completion.wait(work, timeout_s=slice_s, what=what, peer=None)
             return
-        for slice_s in board_slices(what, timeout_s=timeout_s, board=board):
-            try:
-                completion.wait(work, timeout_s=slice_s, what=what, peer=None)
-                return
-            except SyncTimeout:
-                continue
-    except Relayed as e:
-        raise failed(PeerLost(str(e)), False) from e
-    except PPSyncError as e:
-        raise failed(e, True) from e
+        except SyncTimeout:
+            if completion.ended(work):
+                raise  # the work's own error (gloo's timeout, ...), as the backend words it
 
 
 def named_failure(err: PPSyncError, board: FailureBoard | None, *, rank: int, settle: bool,
-                  observed: bool) -> PPSyncError:
+                  observed: bool, peers: Peers | None = None) -> PPSyncError:
     """The error to raise for ``err``: the board's verdict after posting this
     rank's notice; ``err`` itself without a board. ``settle``: first wait (up
     to the board's grace) for the survivors to post; an event loop passes
     False after waiting in its own way. ``observed``: False when this rank
     only read of a failure on the board (it then posts what the board says,
-    so every rank posts the same cause)."""
+    so every rank posts the same cause). ``peers``: the heartbeats' view
+    (a silent rank is named before an alive one)."""
     if board is None:
         return err
-    mine = err if observed else verdict(err, board.notices(), [], rank=rank, observed=False)
+    mine = (err if observed else
+            verdict(err, board.notices(), [], rank=rank, observed=False, peers=peers))
     views = ({"expected": mine.expected, "received": mine.received}
              if isinstance(mine, DesyncError) else {})
     board.post(kind_of(mine), str(mine), **views)
     lost = board.lost() if settle else board.missing()
-    return verdict(err, board.notices(), lost, rank=rank, observed=observed)
+    return verdict(err, board.notices(), lost, rank=rank, observed=observed, peers=peers)
 
 
 class Waits:
-    """One token path's waits: bounded, board-sliced, timed into ``clock``
-    when one is set (a benchmark's), each failure turned into the path's
-    error by ``failed``; a transfer's end as ``completion`` judges it."""
+    """One token path's waits: bounded from their start, sliced against the
+    path's failure, timed into ``clock`` when one is set (a benchmark's),
+    each failure turned into the path's error by ``failed``; a transfer's
+    end as ``completion`` judges it. ``peers``: the global ranks this rank's
+    transfers wait on (a receiver: the last rank; the last rank: the others)."""
 
-    def __init__(self, rank: int, timeout_s: float, board: FailureBoard | None,
-                 failed: Failed, completion: Completion) -> None:
+    def __init__(self, rank: int, timeout_s: float, failed: Failed, completion: Completion,
+                 *, watch: WaitWatch | None, peers: Sequence[int]) -> None:
         self.completion = completion
         self.rank = rank
         self.timeout_s = timeout_s
-        self.board = board
         self.failed = failed
+        self.watch = watch
+        self.peers = list(peers)
         self.clock: TransportClock | None = None
         """When set, collects the CPU time of real waits."""
 
     def wait(self, work: dist.Work, what: str) -> None:
-        """Wait at most timeout_s (see :func:`wait_on_board`)."""
+        """Wait at most timeout_s from now (see :func:`bounded_wait`)."""
         if self.clock is None or self.completion.ended(work):
             self._wait(work, what)
             return
@@ -113,8 +167,16 @@ class Waits:
             self.clock.wait_ns += time.thread_time_ns() - t0
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        wait_on_board(work, f"rank {self.rank}: {what}", timeout_s=self.timeout_s,
-                     board=self.board, failed=self.failed, completion=self.completion)
+        try:
+            bounded_wait(work, f"rank {self.rank}: {what}", timeout_s=self.timeout_s,
+                         completion=self.completion, watch=self.watch, peers=self.peers)
+        except Relayed as e:
+            raise self.failed(PeerLost(str(e)), False) from e
+        except PPSyncError as e:
+            named = self.failed(e, True)
+            if named is e:
+                raise
+            raise named from e
 
     def for_receive(self, work: dist.Work, seq: int) -> None:
         """:meth:`wait` for frame ``seq``'s receive, unless it already ended well."""
@@ -135,6 +197,10 @@ class InFlight:
 
     def add(self, buf: torch.Tensor, work: dist.Work) -> None:
         self._works.append((buf, work))
+
+    def works(self) -> list[dist.Work]:
+        """The works held, oldest first (a snapshot: the watcher's)."""
+        return [w for _, w in list(self._works)]
 
     def before_issue(self) -> list[dist.Work]:
         """The works :meth:`prune` would wait on: the oldest beyond ``depth``."""

@@ -30,7 +30,6 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from ppsync.core.wire.completion.guard import DeadlineGuard
 from ppsync.core.wire.platform import Platform
 from ppsync.core.wire.teardown import bound_group_timeout, native_call
 from ppsync.core.wire.transport import Broadcaster, ended_well, has_ended, translate, wait_work
@@ -41,18 +40,16 @@ POLL_FIRST_S = 50e-6
 up to :data:`POLL_MAX_S` (a pause releases the CPU: polling never spins)."""
 POLL_MAX_S = 2e-3
 
-GLOO_TIMEOUT_MARGIN_S = 2.0
-"""A gloo token group's own timeout is ``timeout_s`` plus this. gloo counts
-its timeout from the post and, when it passes, closes every connection of
-the group's context: a peer still waiting then sees "Connection closed by
-peer", a lost connection, where the fault was a silent rank. So ppsync's
-deadline comes first, its notice goes on the failure board, and the other
-survivors read it (every ``slice_s``, 0.25 s; a store call is bounded at
-1 s) before gloo closes anything: every rank names the silence as one."""
+GLOO_TIMEOUT_MARGIN_S = 60.0
+"""A gloo token group's own timeout is ``max_pending_s`` plus this. gloo
+counts its timeout from the post and, when it passes, closes every
+connection of the group's context: a peer still waiting then sees
+"Connection closed by peer", a lost connection. ppsync's cap comes first,
+its notice goes on the failure board, and the others read it long before."""
 
-NCCL_TIMEOUT_MARGIN_S = 30.0
-"""A stream-ordered token group's own timeout is ``timeout_s`` plus this:
-ppsync's deadline (and its abort) comes first and names the fault; the
+NCCL_TIMEOUT_MARGIN_S = 60.0
+"""A stream-ordered token group's own timeout is ``max_pending_s`` plus
+this: ppsync's cap (and its abort) comes first and names the fault; the
 backend's watchdog is the last resort."""
 
 
@@ -98,19 +95,14 @@ class Completion(Protocol):
     def platform(self, platform: Platform) -> Platform:
         """The platform a token path over the group uses, given the device's."""
 
-    def group_timeout_s(self, timeout_s: float) -> float:
-        """The token group's own timeout for a path whose deadline is ``timeout_s``."""
+    def group_timeout_s(self, max_pending_s: float) -> float:
+        """The token group's own timeout for a path whose transfers may stay
+        pending ``max_pending_s``."""
 
-    def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
-        """``group`` serves a path whose deadline is ``timeout_s``: set the
-        group's own timeout (:meth:`group_timeout_s`); stream-ordered, bound
-        every transfer from its post (ppsync.core.wire.completion.guard)."""
-
-    def issued(self, work: dist.Work, what: str) -> None:
-        """A frame's transfer was issued (``what``: as errors name it)."""
-
-    def close(self) -> None:
-        """The path closed: nothing of the group is guarded any more."""
+    def bind(self, group: dist.ProcessGroup, max_pending_s: float, platform: Platform) -> None:
+        """``group`` serves a path whose transfers may stay pending
+        ``max_pending_s``: set the group's own timeout above it
+        (:meth:`group_timeout_s`)."""
 
 
 class _OwnGroup:
@@ -152,19 +144,11 @@ class HostCompleted(_OwnGroup):
     def abort(self, group: dist.ProcessGroup, cause: PPSyncError) -> None:
         """Nothing: gloo ends its works at the group's timeout by itself."""
 
-    def group_timeout_s(self, timeout_s: float) -> float:
-        # an abandoned gloo work ends GLOO_TIMEOUT_MARGIN_S after the path's
-        # own deadline: after the board has named the fault
-        return timeout_s + GLOO_TIMEOUT_MARGIN_S
+    def group_timeout_s(self, max_pending_s: float) -> float:
+        return max_pending_s + GLOO_TIMEOUT_MARGIN_S
 
-    def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
-        bound_group_timeout(group, self.group_timeout_s(timeout_s))
-
-    def issued(self, work: dist.Work, what: str) -> None:
-        """Nothing: gloo's own timeout ends a transfer, and the process lives."""
-
-    def close(self) -> None:
-        pass
+    def bind(self, group: dist.ProcessGroup, max_pending_s: float, platform: Platform) -> None:
+        bound_group_timeout(group, self.group_timeout_s(max_pending_s))
 
 
 class StreamOrdered(_OwnGroup):
@@ -190,28 +174,10 @@ class StreamOrdered(_OwnGroup):
         """The error the group was aborted for (None: not aborted)."""
         self.aborter: threading.Thread | None = None
         """The thread that runs the backend's abort (it may block, for ever)."""
-        self.guard: DeadlineGuard | None = None
-        """Bounds each transfer from its post (set by :meth:`bind`)."""
+        self._lock = threading.Lock()
 
-    def bind(self, group: dist.ProcessGroup, timeout_s: float, platform: Platform) -> None:
-        op_timeout_s = self.group_timeout_s(timeout_s)
-        bound_group_timeout(group, op_timeout_s)
-
-        def overdue(error: SyncTimeout) -> None:
-            error.add_note(f"ppsync bounds a transfer from its post and failed the token "
-                           f"group before the backend's watchdog (the group's timeout, "
-                           f"{op_timeout_s} s)")
-            self.abort(group, error)
-
-        self.guard = DeadlineGuard(timeout_s, overdue, platform.capture_safe)
-
-    def issued(self, work: dist.Work, what: str) -> None:
-        if self.guard is not None:
-            self.guard.track(work, what)
-
-    def close(self) -> None:
-        if self.guard is not None:
-            self.guard.stop()
+    def bind(self, group: dist.ProcessGroup, max_pending_s: float, platform: Platform) -> None:
+        bound_group_timeout(group, self.group_timeout_s(max_pending_s))
 
     def ended(self, work: dist.Work) -> bool:
         if self.cause is not None:
@@ -255,11 +221,10 @@ class StreamOrdered(_OwnGroup):
         backend's pending kernels from a daemon thread (never joined: the
         backend's abort may block its caller, for ever). XCCL cannot abort:
         the path is dead, its group is never used again, ``cause`` says so."""
-        if self.cause is not None:
-            return
-        self.cause = cause
-        if self.guard is not None:
-            self.guard.stop()
+        with self._lock:  # two threads may abort at once (the engine's, the watcher)
+            if self.cause is not None:
+                return
+            self.cause = cause
         self._gave_up()
         if not self.can_abort:
             cause.add_note(f"{self.backend} cannot abort a communicator: the token group keeps "
@@ -281,8 +246,8 @@ class StreamOrdered(_OwnGroup):
         with native_call(), contextlib.suppress(RuntimeError):  # nothing else to do: the
             group.abort()  # cause stands; the process's exit waits (bounded) for the abort
 
-    def group_timeout_s(self, timeout_s: float) -> float:
-        return timeout_s + NCCL_TIMEOUT_MARGIN_S
+    def group_timeout_s(self, max_pending_s: float) -> float:
+        return max_pending_s + NCCL_TIMEOUT_MARGIN_S
 
 
 ABORTABLE = ("nccl",)

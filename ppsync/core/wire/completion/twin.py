@@ -267,9 +267,9 @@ class TwinCompleted(StreamOrdered):
                               f"{platform.device} (on a GPU use the real backend)")
         return TwinPlatform(platform.device, self.twin.lag_s)
 
-    def group_timeout_s(self, timeout_s: float) -> float:
+    def group_timeout_s(self, max_pending_s: float) -> float:
         # NCCL's own timeout is its watchdog's (modelled by the twin); gloo
         # underneath must not end a work first, so its timeout is later
-        op_timeout_s = super().group_timeout_s(timeout_s)
+        op_timeout_s = super().group_timeout_s(max_pending_s)
         self.twin.op_timeout_s = op_timeout_s
         return op_timeout_s + GLOO_AFTER_WATCHDOG_S
