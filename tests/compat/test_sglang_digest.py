@@ -103,7 +103,8 @@ def test_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PPSYNC_TIMEOUT_S", "2.5")
     monkeypatch.setenv("PPSYNC_SGLANG_CHECK", "0")
     monkeypatch.setenv("PPSYNC_SGLANG_PERTURB", "0:output:3")
-    assert GuardOptions.from_env() == GuardOptions(2.5, False, Perturb(0, "output", 3))
+    monkeypatch.setenv("PPSYNC_SILENT_S", "4")
+    assert GuardOptions.from_env() == GuardOptions(2.5, 4.0, False, Perturb(0, "output", 3))
     for bad in ("0", "-1", "x", "1e9"):
         monkeypatch.setenv("PPSYNC_TIMEOUT_S", bad)
         with pytest.raises(ConfigError, match=r"PPSYNC_TIMEOUT_S = .* must be a number of "

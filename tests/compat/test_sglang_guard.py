@@ -1,7 +1,10 @@
 """The SGLang guard between two real processes on gloo (no SGLang: a
 stand-in scheduler drives the plugin's hooks the way SGLang's PP loop
-calls them): views checked across the wire, a lost or silent stage named,
-a desync named on both stages."""
+calls them): views checked across the wire, a lost stage named, a stopped
+stage named silent (by the waiting stage's watcher, which then ends that
+stage: its scheduler is blocked in a gloo wait), a stuck but alive stage
+named at the timeout, a slow stage waited for, a desync named on both
+stages."""
 
 from __future__ import annotations
 
@@ -70,8 +73,12 @@ CHILD = textwrap.dedent('''
             else:
                 if case == "kill" and step == 1:
                     os._exit(3)
-                if case == "silent" and step == 1:
+                if case == "stuck" and step == 1:
                     time.sleep(30)
+                if case == "slow" and step == 1:
+                    time.sleep(6)  # alive, slower than silent_s, within the timeout
+                if case == "stop" and step == 1:
+                    os.kill(os.getpid(), 19)  # SIGSTOP
                 hooks.recv_typed_dict(recv, sched, expected_kind="proxy")
                 if step == 2:
                     for work in hooks.send_dict(send, sched, {}, msg_type="proxy"):
@@ -85,7 +92,8 @@ CHILD = textwrap.dedent('''
 
 def _run(case: str, tmp: Path) -> list[str]:
     port = str(free_port())
-    env = {"PPSYNC_SGLANG": "1", "PPSYNC_TIMEOUT_S": "3", "PPSYNC_DUMP_DIR": str(tmp)}
+    env = {"PPSYNC_SGLANG": "1", "PPSYNC_TIMEOUT_S": "3" if case != "slow" else "10",
+           "PPSYNC_SILENT_S": "2", "PPSYNC_DUMP_DIR": str(tmp)}
     import os
 
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), port, case],
@@ -94,9 +102,9 @@ def _run(case: str, tmp: Path) -> list[str]:
     outs = []
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=60)
+            out, _ = p.communicate(timeout=30 if case == "stop" else 60)
         except subprocess.TimeoutExpired:
-            p.kill()
+            p.kill()  # the stopped stage
             out, _ = p.communicate()
         outs.append(out)
     return outs
@@ -118,17 +126,31 @@ def test_a_killed_stage_is_named_lost(tmp_path: Path) -> None:
     assert (tmp_path / "ppsync-rank0.jsonl").exists()
 
 
-def test_a_silent_stage_is_named_within_the_timeout(tmp_path: Path) -> None:
-    out0, _out1 = _run("silent", tmp_path)
+def test_a_stuck_stage_is_named_alive_at_the_timeout(tmp_path: Path) -> None:
+    out0, _out1 = _run("stuck", tmp_path)
     assert "RAISED SyncTimeout peer=1: SGLang PP stage 0 (global rank 0): PP stage 1 (global " \
-           "rank 1) is silent" in _raised(out0), out0
+           "rank 1) is alive but made no progress" in _raised(out0), out0
+
+
+def test_a_slow_stage_is_waited_for(tmp_path: Path) -> None:
+    outs = _run("slow", tmp_path)
+    assert all("DONE" in o for o in outs), outs
+
+
+def test_a_stopped_stage_is_named_silent_and_the_waiting_stage_ends(tmp_path: Path) -> None:
+    out0, _out1 = _run("stop", tmp_path)
+    assert "SyncTimeout: SGLang PP stage 0 (global rank 0): PP stage 1 (global rank 1) is " \
+           "silent" in out0, out0
+    assert "ending this stage (status 70)" in out0, out0
 
 
 def test_a_desync_is_named_on_both_stages(tmp_path: Path) -> None:
     out0, out1 = _run("desync", tmp_path)
     assert _raised(out1).startswith("RAISED DesyncError peer=None: SGLang PP stage 1: proxy "
                                     "message 2 from stage 0: first differing field rids"), out1
-    assert "another stage found: SGLang PP stage 1: proxy message 2" in _raised(out0), out0
+    # stage 0 waits for a reply that will not come: its watcher reads the
+    # notice, names the desync and ends the stage (or its wait raises first)
+    assert "another stage found: SGLang PP stage 1: proxy message 2" in out0, out0
 
 
 @pytest.mark.parametrize("case", ["desync"])

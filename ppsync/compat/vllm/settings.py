@@ -14,8 +14,9 @@ which a test does; vLLM does not).
   accelerator, the host codec on CPU; with ``PPSYNC_EMULATE``: device);
 - ``PPSYNC_HOST_KERNELS``: ``auto`` | ``numba`` | ``numpy`` (SyncConfig.host_kernels);
 - ``PPSYNC_DEVICE_KERNELS``: ``auto`` | ``triton`` | ``torch`` (SyncConfig.device_kernels);
-- ``PPSYNC_TIMEOUT_S``: seconds, > 0 and <= 86400: the bound on every wait
-  of the token path (unset: 60);
+- ``PPSYNC_TIMEOUT_S``, ``PPSYNC_SILENT_S``: the bound on one wait for a live
+  peer, and how long a peer's heartbeat may stop before it is named silent
+  (ppsync.compat.env, shared with the SGLang plugin);
 - ``PPSYNC_EMULATE``: ``nccl`` | ``xccl``: the token group behaves as that
   backend's (the CPU twin, ppsync.core.wire.completion.twin): CPU only, refused
   in a process that sees a CUDA or XPU device, and only with the device codec;
@@ -27,8 +28,8 @@ which a test does; vLLM does not).
   last PP rank's worker: an error raised on another rank is logged there and
   the engine waits for ever. With ``exit`` that worker logs the error and
   exits (status 70), so vLLM's executor sees a worker die and ends the
-  engine, and such a worker runs a watchdog for a receive pending past
-  the timeout while vLLM makes no call (ppsync.compat.vllm.watchdog);
+  engine, and such a worker's watcher thread acts the same way on a failure
+  it finds while vLLM makes no call (a silent or lost peer);
   ``raise`` leaves it as vLLM's own handler does.
 
 An empty value counts as unset.
@@ -36,7 +37,6 @@ An empty value counts as unset.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,30 +45,29 @@ from typing import Literal, cast
 
 import torch
 
+from ppsync.compat.env import BOUND_VARS, ENV_SILENT, ENV_TIMEOUT, bounds_from_env
 from ppsync.core.codec import check_frames
 from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
 from ppsync.core.codec.device_kernels import resolve_device_kernels
 from ppsync.core.recorder.registry import check_dump_dir
 from ppsync.core.wire.completion import EMULATED, StreamOrdered
 from ppsync.errors import ConfigError
-from ppsync.schemas.config import DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
 __all__ = ["ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS", "ENV_ON_ERROR",
-           "ENV_TIMEOUT",
+           "ENV_SILENT", "ENV_TIMEOUT",
            "SETTINGS_ENV", "PluginSettings", "accelerator_here", "check_twin", "plugin_settings",
            "settings_from_env"]
 
 ENV_CODEC = "PPSYNC_CODEC"
 ENV_HOST_KERNELS = "PPSYNC_HOST_KERNELS"
 ENV_DEVICE_KERNELS = "PPSYNC_DEVICE_KERNELS"
-ENV_TIMEOUT = "PPSYNC_TIMEOUT_S"
 ENV_EMULATE = "PPSYNC_EMULATE"
 ENV_ON_ERROR = "PPSYNC_VLLM_ON_ERROR"
-SETTINGS_ENV = (ENV_CODEC, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, ENV_TIMEOUT, ENV_EMULATE,
+SETTINGS_ENV = (ENV_CODEC, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, *BOUND_VARS, ENV_EMULATE,
                 DUMP_DIR_ENV, ENV_ON_ERROR)
 """Every variable this module reads."""
-MAX_TIMEOUT_S = 86400.0  # SyncConfig.timeout_s's own bound
 
 CODECS = ("host", "device")
 HOST_KERNELS = ("auto", "numba", "numpy")
@@ -83,6 +82,7 @@ class PluginSettings:
     host_kernels: Literal["auto", "numba", "numpy"] = "auto"
     device_kernels: Literal["auto", "triton", "torch"] = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    silent_s: float = DEFAULT_SILENT_S
     emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin of that backend
     dump_dir: Path | None = None
     on_error: Literal["exit", "raise"] = "exit"  # a worker other than the last PP rank's
@@ -90,7 +90,8 @@ class PluginSettings:
     def describe(self) -> str:
         """One line for the log: what the plugin's handlers are built with."""
         return (f"codec {self.codec or 'by device'}, host kernels {self.host_kernels}, device "
-                f"kernels {self.device_kernels}, timeout {self.timeout_s:g} s, semantics "
+                f"kernels {self.device_kernels}, timeout {self.timeout_s:g} s, silent after "
+                f"{self.silent_s:g} s, semantics "
                 f"{'twin of ' + self.emulate if self.emulate else 'the backend'}s, dumps "
                 f"{self.dump_dir or 'off'}, on an error off the last rank: {self.on_error}")
 
@@ -102,20 +103,6 @@ def _one_of(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str 
     if value not in choices:
         raise ConfigError(f"{name} = {value!r} must be one of {', '.join(choices)}")
     return value
-
-
-def _timeout(env: Mapping[str, str]) -> float:
-    value = env.get(ENV_TIMEOUT, "").strip()
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
-        raise ConfigError(f"{ENV_TIMEOUT} = {value!r} must be a number of seconds > 0 and "
-                          f"<= {MAX_TIMEOUT_S:g}")
-    return seconds
 
 
 def accelerator_here() -> str | None:
@@ -138,7 +125,7 @@ def settings_from_env(env: Mapping[str, str] | None = None,
     codec = _one_of(env, ENV_CODEC, CODECS)
     host_kernels = _one_of(env, ENV_HOST_KERNELS, HOST_KERNELS) or "auto"
     device_kernels = _one_of(env, ENV_DEVICE_KERNELS, DEVICE_KERNELS) or "auto"
-    timeout_s = _timeout(env)
+    bounds = bounds_from_env(env)
     emulate = _one_of(env, ENV_EMULATE, EMULATED)
     if emulate is not None:
         if codec == "host":
@@ -161,7 +148,8 @@ def settings_from_env(env: Mapping[str, str] | None = None,
         codec=cast(Literal["host", "device"] | None, codec),
         host_kernels=cast(Literal["auto", "numba", "numpy"], host_kernels),
         device_kernels=cast(Literal["auto", "triton", "torch"], device_kernels),
-        timeout_s=timeout_s, emulate=cast(Literal["nccl", "xccl"] | None, emulate),
+        timeout_s=bounds.timeout_s, silent_s=bounds.silent_s,
+        emulate=cast(Literal["nccl", "xccl"] | None, emulate),
         dump_dir=dump_dir, on_error=cast(Literal["exit", "raise"], on_error))
 
 

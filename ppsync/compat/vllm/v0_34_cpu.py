@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.v0_23 import PPHandler023
 from ppsync.core.wire.board import FailureBoard
-from ppsync.schemas.config import DEFAULT_TIMEOUT_S
+from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S
 
 
 class PPHandler034Cpu(PPHandler023):
@@ -38,6 +38,7 @@ class PPHandler034Cpu(PPHandler023):
         group: dist.ProcessGroup | None = None,
         ring_depth: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        silent_s: float = DEFAULT_SILENT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
@@ -47,6 +48,7 @@ class PPHandler034Cpu(PPHandler023):
         emulate: Literal["nccl", "xccl"] | None = None,
     ) -> None:
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
-                         timeout_s=timeout_s, interface=interface, board=board, codec=codec,
+                         timeout_s=timeout_s, silent_s=silent_s, interface=interface,
+                         board=board, codec=codec,
                          host_kernels=host_kernels, device_kernels=device_kernels,
                          pp_groups=pp_groups, emulate=emulate)
