@@ -16,44 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-
-def field_bounds(model: type[BaseModel], name: str) -> tuple[float | None, bool,
-                                                              float | None, bool]:
-    """(low, low inclusive, high, high inclusive) of ``model.name``'s
-    numeric constraints (None: unbounded on that side)."""
-    low: float | None = None
-    high: float | None = None
-    low_in = high_in = True
-    for m in model.model_fields[name].metadata:
-        if getattr(m, "ge", None) is not None:
-            low, low_in = m.ge, True
-        if getattr(m, "gt", None) is not None:
-            low, low_in = m.gt, False
-        if getattr(m, "le", None) is not None:
-            high, high_in = m.le, True
-        if getattr(m, "lt", None) is not None:
-            high, high_in = m.lt, False
-    return low, low_in, high, high_in
-
-
-def _rule(low: float | None, low_in: bool, high: float | None, high_in: bool) -> str:
-    def g(v: float) -> str:
-        return str(int(v)) if float(v).is_integer() else f"{v:g}"
-
-    if low is not None and high is not None:
-        return f"in {'[' if low_in else '('}{g(low)}, {g(high)}{']' if high_in else ')'}"
-    if low is not None:
-        return f"{'>=' if low_in else '>'} {g(low)}"
-    if high is not None:
-        return f"{'<=' if high_in else '<'} {g(high)}"
-    return "a number"
+from ppsync.schemas.bounds import field_bounds, rule_text
 
 
 def bounded(kind: type[int] | type[float], low: float | None = None, high: float | None = None,
             *, low_in: bool = True, high_in: bool = True, unit: str = "",
             why: str = "") -> Callable[[str], Any]:
     """A parser of ``kind`` values within the given bounds."""
-    rule = _rule(low, low_in, high, high_in)
+    rule = rule_text(low, low_in, high, high_in)
 
     def parse(text: str) -> int | float:
         v = kind(text)  # ValueError: argparse says "invalid int value: 'two'"

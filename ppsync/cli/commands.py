@@ -117,7 +117,8 @@ def _write_json(flag: str, path: Path | None, report: BaseModel) -> bool:
 
 SYNC_FLAGS = {"pp_size": "--pp-size", "max_num_reqs": "--max-num-reqs",
               "num_speculative_steps": "--spec", "ring_depth": "--ring-depth",
-              "timeout_s": "--timeout", "wire": "--wire", "codec": "--codec",
+              "timeout_s": "--timeout", "silent_s": "--silent", "wire": "--wire",
+              "codec": "--codec",
               "device_kernels": "--device-kernels", "host_kernels": "--host-kernels",
               "flight_events": "--flight-events"}
 """SyncConfig's fields -> the flags that set them (what an error names)."""
@@ -150,6 +151,7 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
             num_speculative_steps=args.spec,
             ring_depth=args.ring_depth,
             timeout_s=args.timeout,
+            silent_s=args.silent,
             wire=args.wire,
             codec=args.codec,
             device_kernels=args.device_kernels,

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
 
-from ppsync.cli.bounds import at_least, bounded, field_bounds, from_field
+from ppsync.cli.bounds import at_least, bounded, from_field
 from ppsync.debug.cli import add_debug_commands
 from ppsync.schemas.bench import BenchOptions
+from ppsync.schemas.bounds import field_bounds
 from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
     DEFAULT_TIMEOUT_S,
     CodecName,
     DeviceKernelsName,
@@ -139,8 +141,11 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
                     "too with --codec host): numba, numpy or auto (numba where it loads, "
                     "else numpy)")
     la.add_argument("--timeout", type=_sync("timeout_s"), default=DEFAULT_TIMEOUT_S,
-                    help="bound on every wait (s); launch ends a rank that completes no "
-                    "step for this long plus a grace")
+                    help="bound on one wait for a live peer (s), from the wait's start; "
+                    "launch ends a rank that completes no step for this long plus a grace")
+    la.add_argument("--silent", type=_sync("silent_s"), default=DEFAULT_SILENT_S,
+                    metavar="S", help="a peer whose heartbeat stops this long is named "
+                    "silent (s), whatever the step time")
     la.add_argument("--async", dest="framework", nargs="?", const="asyncio", default=None,
                     choices=["asyncio", "trio"],
                     help="carry tokens through the anyio services (framework asyncio when "
