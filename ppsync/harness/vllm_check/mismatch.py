@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ppsync.compat.vllm.settings import ENV_CODEC, ENV_TIMEOUT, settings_from_env
 from ppsync.harness.vllm_check.faults import SLACK_S
+from ppsync.harness.vllm_check.node_faults import GRACE_S
 from ppsync.harness.vllm_check.served import (
     NodePlan,
     NodesOptions,
@@ -94,7 +95,7 @@ class MismatchOutcome:
     served_tokens: int = 0
     ready: bool = False
     head_ended_s: float | None = None  # from the start; None: up at the watch's end
-    left: tuple[str, ...] = ()  # live when the watch ended
+    left: tuple[str, ...] = ()  # live GRACE_S after the head ended (or at the watch's end)
     survivors: tuple[str, ...] = ()
 
 
@@ -140,8 +141,8 @@ def format_mismatch(o: MismatchOutcome) -> str:
     head = ("still up when the watch ended" if o.head_ended_s is None
             else f"ended {o.head_ended_s:.0f} s after the start")
     lines.append(f"  served: {o.served_tokens} tokens; /health {health}")
-    lines.append(f"  head process: {head}; live then: {len(o.left)} ({', '.join(o.left[:6])}); "
-                 f"after the final kill: {len(o.survivors)}")
+    lines.append(f"  head process: {head}; live {GRACE_S:g} s later: {len(o.left)} "
+                 f"({', '.join(o.left[:6])}); after the final kill: {len(o.survivors)}")
     why = mismatch_failures(o)
     lines.append("")
     lines += (["FAIL", *(f"  {w}" for w in why)] if why else [
@@ -167,8 +168,10 @@ def run_mismatch(nodes: NodesOptions, case: str) -> int:
         head = run.nodes[0]
         run.wait(lambda: head.poll() is not None or client.poll() is not None, watch_s)
         head_s = None if head.poll() is None else time.time() - t0
+        end_client(client)  # the check's own process on host 0, not the engine's
+        if head_s is not None:  # what the engine leaves once its head ended
+            time.sleep(GRACE_S)
         left = tuple(run.left())
-        end_client(client)
         labels = (run.label(0), run.label(1))
     result = run.client_result()
     served = sum(len(o.tokens) for o in outcomes(result.get("burst")))
