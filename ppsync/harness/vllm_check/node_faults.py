@@ -64,7 +64,9 @@ LEFT_WORKER = re.compile(
     r"ppsync: (PP rank \d+ \(global rank \d+(?:, host [^,]+, pid \d+)?\)): (.+?) raised "
     r"(\w+): (.*?)(?: \[the rank named: PP rank (\d+) \(global rank \d+, host ([^,]+), "
     r"pid \d+\)\])?; this worker exits")
-VLLM_ERROR = re.compile(r"^(?:\(\w+ pid=\d+\) )?ERROR .*$", re.MULTILINE)
+VLLM_ERROR = re.compile(r"^(\(\w+ pid=\d+\)) ERROR [^\]]*\] (\w*(?:Error|Exception)\b.*|"
+                        r"Worker proc \S+ died unexpectedly.*)$", re.MULTILINE)
+"""vLLM's log line naming an error: its process, then the error's type and text."""
 
 
 def detection_bound_s(settings: PluginSettings, fault: str) -> float:
@@ -127,7 +129,7 @@ def _named(run: NodesRun, fault_t: float) -> tuple[tuple[int, str, float] | None
         who, call, typ, line, _, _ = lines[0]
         return None, f"{who}: {call} raised {typ}: {line} (no rank named)"
     vllm = VLLM_ERROR.findall(run.log_text(0))
-    return None, vllm[0][:300] if vllm else ""
+    return None, f"{vllm[0][0]} {vllm[0][1]}"[:300] if vllm else ""
 
 
 def _fault(run: NodesRun, fault: str) -> None:
