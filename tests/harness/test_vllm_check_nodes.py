@@ -180,6 +180,8 @@ def test_a_host_fault_passes_when_ppsync_named_host_1s_stage_and_the_client_got_
     ({"named": (1, "h 10.77.1.2", 30.0)}, "named 30.0 s after the fault"),
     ({"named": None}, "no ppsync worker named"),
     ({"streams": ()}, "the client got no error"),
+    ({"streams": (Outcome("f0", (), "error", "openai.APIError: x", 100, 206.0),)},
+     "the client's first error came 106.0 s after the fault"),
     ({"head_ended_s": None}, "still running"),
     ({"left": ("host 0: 9 S python",)}, "left on host 0"),
     ({"survivors": ("host 1: 9 D python",)}, "survived the final kill"),
