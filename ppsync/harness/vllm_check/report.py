@@ -28,7 +28,7 @@ __all__ = ["NGRAM_METHODS", "RunResult", "SpecFigures", "WorkerRecord", "failure
 NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's model-free proposers (prompt lookup)
 TIMED = ("receive", "broadcast", "broadcast_drafts", "get_prev_sampled_outputs")
 MULTI_SHOWN = 12  # steps listed where a row had num_sampled > 1
-PATH_FACTS = ("codec", "host_kernels", "device_kernels", "completion")
+PATH_FACTS = ("codec", "host_kernels", "device_kernels", "completion", "token_backend")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,10 @@ class WorkerRecord:
     # on unconsumed transfers, on consumed ones, side-stream waits (None: not on the twin)
     errors: tuple[tuple[float, str, str, str], ...] = ()  # (time, call, type, first line)
     fault: tuple[float, str, int] | None = None  # (time, action, step) of its own fault
+    node: str = ""  # the host it ran on (vllm-check --nodes), as the check named it
+    gloo_ifname: str = ""  # its GLOO_SOCKET_IFNAME
+    frames: int = 0  # ppsync's last rank: frames its token group sent
+    frame_bytes: int = 0  # ppsync: one frame's size on the wire
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
         twin: tuple[int, int, int] | None = None
         errors: list[tuple[float, str, str, str]] = []
         fault: tuple[float, str, int] | None = None
+        frames = 0
         for line in path.read_text().splitlines():
             try:
                 event = json.loads(line)
@@ -154,6 +159,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
                 fault = (float(event["t"]), str(event["action"]), int(event["step"]))
             elif event.get("event") in calls:
                 calls[event["event"]].append(float(event["s"]))
+                frames = max(frames, int(event.get("seq", 0)))
                 all_rows += event.get("returned") is True
                 if event["event"] == "receive" and isinstance(event.get("rows"), int):
                     rows.append(event["rows"])
@@ -172,7 +178,9 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows,
             receive_rows=tuple(rows), drafts_s=tuple(calls["broadcast_drafts"]),
             steps=steps, multi_steps=tuple(multi), twin=twin, errors=tuple(errors),
-            fault=fault, path={k: str(head[k]) for k in PATH_FACTS if k in head}))
+            fault=fault, path={k: str(head[k]) for k in PATH_FACTS if k in head},
+            node=str(head.get("node", "")), gloo_ifname=str(head.get("gloo_ifname", "")),
+            frames=frames, frame_bytes=int(str(head.get("frame_bytes", 0)))))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
 
 

@@ -29,6 +29,8 @@ variable the check sets:
   of PP rank RANK writes the time and sends itself ACTION (``kill``:
   SIGKILL, ``stop``: SIGSTOP) at its N-th step (the last rank's
   ``broadcast``, another rank's ``receive``), while the engine generates.
+- ``PPSYNC_VLLM_CHECK_NODE=LABEL`` (``--nodes``): the worker's host, in its record
+  (with GLOO_SOCKET_IFNAME, ppsync's frames); a failed build: init-error-<pid>.jsonl.
 - ``PPSYNC_VLLM_CHECK_SEED=N``: after vLLM's dummy loader filled the weights
   (every tensor from the same seed, so all look alike and the tokens
   repeat), refills each floating-point tensor from a generator seeded with
@@ -59,6 +61,7 @@ ENV_SEED = "PPSYNC_VLLM_CHECK_SEED"
 ENV_MASK_CAST = "PPSYNC_VLLM_CHECK_MASK_CAST"
 ENV_ASYNC = "PPSYNC_VLLM_CHECK_ASYNC_SCHEDULING"
 ENV_FAULT = "PPSYNC_VLLM_CHECK_FAULT"
+ENV_NODE = "PPSYNC_VLLM_CHECK_NODE"  # node_record.ENV_NODE
 FAULT_SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
 TRITON_INTERPRETER = "triton.runtime.interpreter"
 CPU_PLATFORM = "vllm.platforms.cpu"
@@ -66,6 +69,7 @@ GPU_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
 PPSYNC_PLUGIN = "ppsync.compat.vllm.plugin"
+NODE_RECORD = "ppsync.harness.vllm_check.node_record"  # imported once vLLM runs
 TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
 
 
@@ -120,7 +124,12 @@ def _recorder(record_dir: Path) -> Callable[[ModuleType], None]:
         init = runner_cls.__init__
 
         def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **kwargs)
+            t0 = time.time()
+            try:
+                init(self, *args, **kwargs)
+            except Exception as e:  # e.g. ppsync's refusal of another node's settings
+                importlib.import_module(NODE_RECORD).record_init_error(record_dir, t0, e)
+                raise
             _record_handler(self, record_dir)
 
         runner_cls.__init__ = recording_init
@@ -141,7 +150,8 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
         "event": "handler", "pid": os.getpid(), "pp_rank": group.rank_in_group,
         "pp_size": group.world_size, "runner": type(runner).__qualname__,
         "handler": None if handler is None else f"{cls.__module__}.{cls.__qualname__}",
-        "ppsync": ours, **(path_facts(getattr(handler, "token_path", None)) if ours else {})
+        "ppsync": ours, **importlib.import_module(NODE_RECORD).node_facts(),
+        **(path_facts(getattr(handler, "token_path", None)) if ours else {})
     }) + "\n")
     if handler is None:
         return
@@ -151,8 +161,9 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
             lambda call, e: write_error(out, call, e))
     last = group.rank_in_group == group.world_size - 1
     fault = _fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
+    frames = (lambda: int(handler.token_path.seq)) if ours else None
     for name in TIMED_CALLS:
-        setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault))
+        setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault, frames))
 
 
 def write_error(out: Any, call: str, e: BaseException) -> None:
@@ -166,8 +177,11 @@ def write_error(out: Any, call: str, e: BaseException) -> None:
 def path_facts(path: Any) -> dict[str, object]:
     """What a ppsync token path really runs: codec, kernel sets, semantics."""
     codec = path.codec
+    words = importlib.import_module("ppsync.core.frame.layout").FrameLayout(
+        path.config).words(path.config.max_num_reqs)
     return {"codec": path.config.codec, "host_kernels": codec.kernels.name,
-            "device_kernels": codec.device_kernels_name, "completion": path.completion.name}
+            "device_kernels": codec.device_kernels_name, "completion": path.completion.name,
+            "frame_bytes": 8 * int(words), "token_backend": str(path.backend)}
 
 
 def _fault_for(pp_rank: int, call: str, out: Any) -> Callable[[str], None] | None:
@@ -195,8 +209,8 @@ def _fault_for(pp_rank: int, call: str, out: Any) -> Callable[[str], None] | Non
     return maybe_fault
 
 
-def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None,
-           fault: Callable[[str], None] | None = None) -> Callable[..., Any]:
+def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None, fault: Callable[
+        [str], None] | None = None, frames: Callable[[], int] | None = None) -> Callable[..., Any]:
     seen = [(0, 0, 0)]
 
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -221,6 +235,8 @@ def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None,
         multi = rows_sampling_more(name, args, kwargs, result)  # after the timed call
         if multi is not None:
             returned += f', "multi": {multi}'
+        if frames is not None and name.startswith("broadcast"):  # frames sent so far
+            returned += f', "seq": {frames()}'
         out.write(f'{{"event": "{name}", "s": {seconds!r}{returned}}}\n')
         return result
 
