@@ -341,7 +341,9 @@ class PPHandler(AuxRelayCalls):
         send a held step without drafts once its engine step ended
         (ppsync.compat.vllm.held), unless the send would wait (then at the
         next round); its error is raised at the engine's next call."""
-        if not self._held.step_ended() or self._path.works_before_issue():
+        path = self._path
+        if not self._held.step_ended() or not all(
+                path.completion.ended(w) for w in path.works_before_issue()):
             return
         try:
             self._flush_held()
