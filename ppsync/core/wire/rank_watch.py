@@ -114,7 +114,6 @@ class RankWatcher:
         self._acted = False
         self._first_seen: dict[int, tuple[dist.Work, float]] = {}  # id -> (work, when seen)
         self._wake = threading.Condition()
-        self._poked = False  # a wait began: read the board at once
         self._beat_now = False  # the start-up phase changed: beat at once
         self.first_beat = threading.Event()
         """Set once this rank's first beat was published (or there is no board)."""
@@ -133,12 +132,6 @@ class RankWatcher:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(STOP_S)
 
-    def poke(self) -> None:
-        """Look now (a wait began)."""
-        with self._wake:
-            self._poked = True
-            self._wake.notify_all()
-
     def starting(self, what: str | None) -> None:
         """This rank's start-up is at ``what`` (None: done); its peers read
         it at once (the watcher beats now)."""
@@ -150,9 +143,9 @@ class RankWatcher:
     # -- what a wait asks (ppsync.core.wire.waits.WaitWatch) -------------------
 
     def begin(self, what: str) -> int:
-        token = self.activity.waiting(what)
-        self.poke()
-        return token
+        # no wake-up: most waits end within a slice; a long one is seen at
+        # the watcher's next round (at most a beat away)
+        return self.activity.waiting(what)
 
     def end(self, token: int) -> None:
         self.activity.waited(token)
@@ -196,12 +189,10 @@ class RankWatcher:
     def _run(self) -> None:
         self.platform.enter_thread()  # before any device call: the engine's device
         next_beat = next_look = 0.0
-        was_busy = False
         while True:
             with self._wake:
                 if self._stopped:
                     return
-                poked, self._poked = self._poked, False
                 beat_now, self._beat_now = self._beat_now, False
             now = self.clock()
             if self.board is not None and (now >= next_beat or beat_now):
@@ -213,16 +204,15 @@ class RankWatcher:
             waiting = self.activity.waiting_now()
             period = LOOK_S if pending_s is not None or waiting else BEAT_S
             depends = waiting or (pending_s is not None and pending_s >= DEPENDS_S)
-            if self.board is not None and (now >= next_look or poked or (depends and not was_busy)):
+            if self.board is not None and now >= next_look:
                 next_look = now + period
                 self._read_board(depends)
-            was_busy = depends
             self._round()
             with self._wake:
                 if self._stopped:
                     return
                 due = min(next_beat, next_look) if self.board is not None else now + period
-                if not (self._poked or self._beat_now):
+                if not self._beat_now:
                     self._wake.wait(max(0.0, due - self.clock()))
 
     def _look_at_works(self, now: float) -> float | None:
