@@ -53,6 +53,10 @@ log = logging.getLogger("ppsync")
 
 STOP_S = 2.0
 """Longest :meth:`RankWatcher.stop` waits for the thread."""
+HURRY_S = 0.002
+"""The watcher's round while a frame waits for its copy to pinned memory
+(the host carrier): the copy takes microseconds on a device, so an idle
+engine's frame goes within about this much of its copy."""
 DEPENDS_S = 1.0
 """A transfer pending this long (or a wait under way) means the rank now
 depends on its peers: a notice on the board or a silent rank then fails its
@@ -77,8 +81,13 @@ class Watched(Protocol):
         """The path's failure, once it failed."""
 
     def tick(self) -> None:
-        """Called each round while no engine call runs (the vLLM adapter
-        sends a step it held for drafts that did not come)."""
+        """Called each round while no engine call runs (frames whose copy
+        to pinned memory ended are sent; the vLLM adapter sends a step it
+        held for drafts that did not come)."""
+
+    def hurry(self) -> bool:
+        """Whether something waits for the next round (a frame for its copy:
+        the rounds then come every HURRY_S)."""
 
 
 class RankWatcher:
@@ -115,6 +124,7 @@ class RankWatcher:
         self._first_seen: dict[int, tuple[dist.Work, float]] = {}  # id -> (work, when seen)
         self._wake = threading.Condition()
         self._beat_now = False  # the start-up phase changed: beat at once
+        self._poked = False  # poke(): a round at once
         self.first_beat = threading.Event()
         """Set once this rank's first beat was published (or there is no board)."""
         self._stopped = False
@@ -131,6 +141,13 @@ class RankWatcher:
             self._wake.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(STOP_S)
+
+    def poke(self) -> None:
+        """Run a round now (a frame waits for its copy: the rounds then come
+        every HURRY_S until it went)."""
+        with self._wake:
+            self._poked = True
+            self._wake.notify_all()
 
     def starting(self, what: str | None) -> None:
         """This rank's start-up is at ``what`` (None: done); its peers read
@@ -194,25 +211,34 @@ class RankWatcher:
                 if self._stopped:
                     return
                 beat_now, self._beat_now = self._beat_now, False
+                self._poked = False
             now = self.clock()
-            if self.board is not None and (now >= next_beat or beat_now):
-                self.board.beat(self.activity.beat(self.watched.step_count()).encode())
-                next_beat = now + BEAT_S
-            self.first_beat.set()
-            with native_call():  # queries: the process's exit waits for them
-                pending_s = self._look_at_works(now)
-            waiting = self.activity.waiting_now()
-            period = LOOK_S if pending_s is not None or waiting else BEAT_S
-            depends = waiting or (pending_s is not None and pending_s >= DEPENDS_S)
-            if self.board is not None and now >= next_look:
-                next_look = now + period
-                self._read_board(depends)
-            self._round()
+            period = BEAT_S
+            try:  # one bad round must not end the rank's liveness
+                if self.board is not None and (now >= next_beat or beat_now):
+                    self.board.beat(self.activity.beat(self.watched.step_count()).encode())
+                    next_beat = now + BEAT_S
+                self.first_beat.set()
+                with native_call():  # queries: the process's exit waits for them
+                    pending_s = self._look_at_works(now)
+                waiting = self.activity.waiting_now()
+                period = LOOK_S if pending_s is not None or waiting else BEAT_S
+                depends = waiting or (pending_s is not None and pending_s >= DEPENDS_S)
+                if self.board is not None and now >= next_look:
+                    next_look = now + period
+                    self._read_board(depends)
+                self._round()
+                hurry = self.watched.hurry()
+            except Exception:
+                log.exception("ppsync: rank %d: the watcher's round failed", self.me)
+                hurry = False
             with self._wake:
                 if self._stopped:
                     return
                 due = min(next_beat, next_look) if self.board is not None else now + period
-                if not self._beat_now:
+                if hurry:
+                    due = min(due, now + HURRY_S)
+                if not (self._beat_now or self._poked):
                     self._wake.wait(max(0.0, due - self.clock()))
 
     def _look_at_works(self, now: float) -> float | None:

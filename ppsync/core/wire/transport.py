@@ -11,6 +11,8 @@ RuntimeError or an endless wait.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,14 @@ class TransportClock:
 
     def total(self) -> int:
         return self.issue_ns + self.wait_ns
+
+    def timed_issue(self, issue: Callable[[torch.Tensor], dist.Work],
+                    buf: torch.Tensor) -> dist.Work:
+        """``issue(buf)``, its CPU time added to :attr:`issue_ns`."""
+        t0 = time.thread_time_ns()
+        work = issue(buf)
+        self.issue_ns += time.thread_time_ns() - t0
+        return work
 
 
 class Broadcaster:
@@ -109,6 +119,18 @@ def _future(work: dist.Work) -> torch.futures.Future[object] | None:
         return work.get_future()
     except RuntimeError:
         return None
+
+
+class DeferredWork(dist.Work):
+    """A transfer queued behind device work and not issued yet (the host
+    carrier's send waiting for its copy to pinned memory:
+    ppsync.core.codec.carriers). Waiting on one while it is not issued would
+    wait on the device: the in-flight bound never does (its buffers are the
+    carrier's, bounded by how far the host runs ahead of the device)."""
+
+    @property
+    def issued(self) -> bool:
+        raise NotImplementedError
 
 
 def has_ended(work: dist.Work) -> bool:

@@ -93,6 +93,9 @@ class Watched:
     def tick(self) -> None:
         pass
 
+    def hurry(self) -> bool:
+        return False
+
 
 def _watcher(rec: Recorder, watched: Watched) -> RankWatcher:
     return RankWatcher(watched, board=None, me=0, ranks=[0, 1], peers=[1],
