@@ -97,6 +97,7 @@ class Case:
     no_drafts_every: int = 0  # steps t % no_drafts_every == 1 propose no drafts
     aux: bool = False  # stages pass hidden states and a relayed aux down the pipe
     emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin (device codec)
+    carrier: Literal["host", "device"] = "device"  # with emulate: the twin carries, or the host
     idle_at: int = -1  # after this step (its drafts skipped) every rank idles IDLE_S
     timeout_s: float = WAIT_S
     warmup: int = 0  # synthetic steps first, with the handler disabled (vLLM's warm-up)
@@ -232,11 +233,11 @@ def warm_up(h: PPHandler, case: Case, last: bool) -> None:
     for _ in range(case.warmup):
         assert h.get_prev_sampled_outputs() is None
         if last:
-            assert h.broadcast(torch.zeros(n, K + 1, dtype=torch.int64),
-                               torch.ones(n, dtype=torch.int32),
-                               torch.zeros(n, dtype=torch.int32), dummy) is None
+            h.broadcast(torch.zeros(n, K + 1, dtype=torch.int64),
+                        torch.ones(n, dtype=torch.int32),
+                        torch.zeros(n, dtype=torch.int32), dummy)
             if K:
-                assert h.broadcast_drafts(torch.zeros(n, K, dtype=torch.int64)) is None
+                h.broadcast_drafts(torch.zeros(n, K, dtype=torch.int64))
         else:
             assert h.receive(dummy, K > 0) is True  # every row needs a sample
     assert h.token_path.seq == 0  # nothing was issued
@@ -281,9 +282,10 @@ def engine_rank(case: Case, standin: Path, env: RankEnv) -> Seen:
                 h.broadcast_drafts(torch.from_numpy(step.drafts_np))
 
     with PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=case.timeout_s, interface=case.interface,
-                   emulate=case.emulate) as h:
+                   emulate=case.emulate, carrier=case.carrier) as h:
         assert h.is_last_rank == last
-        assert h.token_path.completion.stream_ordered == (case.emulate is not None)
+        assert h.token_path.completion.stream_ordered == (
+            case.emulate is not None and case.carrier == "device")
         if case.aux:
             h.configure_aux_hidden_state_relay(Model())
         if case.warmup:
@@ -324,7 +326,8 @@ def engine_rank(case: Case, standin: Path, env: RankEnv) -> Seen:
                 pending = [p.frame.seq for p in path.ring.pending()
                            if p is not None and not path.completion.ended(p.work)]
                 assert pending == [], f"rank {env.rank}: frames {pending} never came"
-    check_engine_stream("twin" if case.emulate else "gloo")
+    check_engine_stream("gloo" if not case.emulate else
+                        "carried" if case.carrier == "host" else "twin")
     return seen
 
 
@@ -348,6 +351,11 @@ CASES = [
          timeout_s=2.0, emulate="nccl"),
     # warm-up steps with the handler disabled (set_disabled), then real ones
     Case("0.33", pp_size=3, K=2, no_drafts_every=4, seed=3, empty_every=4, warmup=5),
+    # the host carrier (the default on a GPU) on the twin of a CUDA device
+    Case("0.32", pp_size=3, K=3, seed=1, aux=True, emulate="nccl", carrier="host"),
+    Case("0.33", pp_size=2, K=3, no_drafts_every=3, seed=2, emulate="nccl", carrier="host"),
+    Case("0.33", pp_size=2, K=2, no_drafts_every=3, seed=5, steps=30, idle_at=10,
+         timeout_s=2.0, emulate="nccl", carrier="host"),
 ]
 
 
