@@ -176,6 +176,7 @@ def _finished_recv_rank(env: RankEnv) -> str:
         dist.send(torch.full((4,), 2.0), dst=1)
         return "sent"
     work = dist.irecv(msg, src=0)
+    assert work is not None
     work.wait()  # the owner's one wait
     watched = Finished(work)
     watcher = RankWatcher(watched, board=None, me=1, ranks=[0, 1], peers=[0],
