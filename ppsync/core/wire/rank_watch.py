@@ -3,7 +3,8 @@
 It is the only poller off the engine's thread. About once a second it
 publishes the rank's heartbeat on the failure board (ppsync.core.wire.heartbeat);
 while the rank has a transfer pending or a wait under way it reads its
-peers' beats and the board's failure count every :data:`LOOK_S`, and looks
+peers' beats and the board's failure count every :data:`LOOK_S` (a wait that
+outlasts its first slice makes the next look come at once), and looks
 at the pending transfers. It fails the rank's path, once, in the background:
 
 - a transfer that ended badly (a lost connection: a dead peer, named within
@@ -161,9 +162,11 @@ class RankWatcher:
     # -- what a wait asks (ppsync.core.wire.waits.WaitWatch) -------------------
 
     def begin(self, what: str) -> int:
-        # no wake-up: most waits end within a slice; a long one is seen at
-        # the watcher's next round (at most a beat away)
+        # no wake-up: most waits end within a slice; one that lasts says so
         return self.activity.waiting(what)
+
+    def lasting(self) -> None:
+        self.poke()
 
     def end(self, token: int) -> None:
         self.activity.waited(token)
@@ -206,7 +209,7 @@ class RankWatcher:
 
     def _run(self) -> None:
         self.platform.enter_thread()  # before any device call: the engine's device
-        next_beat = next_look = 0.0
+        next_beat = last_look = -BEAT_S
         while True:
             with self._wake:
                 if self._stopped:
@@ -225,8 +228,8 @@ class RankWatcher:
                 waiting = self.activity.waiting_now()
                 period = LOOK_S if pending_s is not None or waiting else BEAT_S
                 depends = waiting or (pending_s is not None and pending_s >= DEPENDS_S)
-                if self.board is not None and now >= next_look:
-                    next_look = now + period
+                if self.board is not None and now >= last_look + period:
+                    last_look = now  # a look is due by what the rank does now
                     self._read_board(depends)
                 self._round()
                 hurry = self.watched.hurry()
@@ -236,7 +239,8 @@ class RankWatcher:
             with self._wake:
                 if self._stopped:
                     return
-                due = min(next_beat, next_look) if self.board is not None else now + period
+                due = min(next_beat, last_look + period) if self.board is not None \
+                    else now + period
                 if hurry:
                     due = min(due, now + HURRY_S)
                 if not (self._beat_now or self._poked):

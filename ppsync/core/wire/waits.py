@@ -48,6 +48,11 @@ class WaitWatch(Protocol):
 
     def end(self, token: int) -> None: ...
 
+    def lasting(self) -> None:
+        """The wait outlasted its first slice: the watcher looks at the
+        board now, and every LOOK_S while the wait lasts (a peer that left
+        is named within a look, not a beat)."""
+
     def describe(self, ranks: Sequence[int]) -> str:
         """What the heartbeats say ``ranks`` are doing, for a message."""
 
@@ -77,11 +82,14 @@ def wait_slices(what: str, *, timeout_s: float | None, watch: WaitWatch | None,
     log line at growing intervals."""
     start = now()
     token = None if watch is None else watch.begin(what)
-    reported = 0
+    reported = slices = 0
     try:
         while True:
             if watch is not None and (failure := watch.failure()) is not None:
                 raise failure
+            slices += 1
+            if watch is not None and slices == 2:
+                watch.lasting()
             elapsed = now() - start
             if (timeout_s is not None and elapsed >= timeout_s
                     and (keep_waiting is None or not keep_waiting())):

@@ -156,6 +156,57 @@ def test_the_watcher_and_the_engine_never_both_act_on_one_failure() -> None:
         watcher.stop()
 
 
+
+# -- a wait that lasts: the board is looked at before the next beat ----------------
+
+
+class StandInBoard:
+    """Notes each beat and each look, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def beat(self, text: str) -> None:
+        self.events.append("beat")
+
+    def look(self, ranks: object) -> None:
+        self.events.append("look")
+
+
+class Idle(Watched):
+    """Nothing pending: the watcher looks once a beat."""
+
+    def outstanding(self) -> list[dist.Work]:
+        return []
+
+
+def _next_event(board: StandInBoard, after: int) -> str:
+    for _ in range(100):  # a beat is 1 s: the next event comes well within 2.5 s
+        if len(board.events) > after:
+            return board.events[after]
+        time.sleep(0.025)
+    raise AssertionError(board.events)
+
+
+def test_a_wait_that_lasts_has_the_board_looked_at_before_the_next_beat() -> None:
+    # An idle rank looks at the board once a beat; a wait that outlasts its
+    # first slice must not wait for that beat to learn that a peer left.
+    board, rec = StandInBoard(), Recorder()
+    watcher = RankWatcher(Idle(), board=cast(Any, board), me=0, ranks=[0, 1], peers=[1],
+                          completion=cast(Completion, StandInCompletion(rec)),
+                          platform=StandInPlatform(rec), silent_s=60.0, max_pending_s=3600.0)
+    watcher.start()
+    try:
+        assert _next_event(board, 1) == "look"  # the first round: a beat, then a look
+        time.sleep(ROUND_S)  # well inside the beat's period
+        mark = len(board.events)
+        token = watcher.begin("a receive")
+        watcher.lasting()
+        assert _next_event(board, mark) == "look", board.events
+        watcher.end(token)
+    finally:
+        watcher.stop()
+
 # -- a finished gloo receive among the works it watches ------------------------------
 
 
