@@ -260,14 +260,27 @@ def _parser() -> argparse.ArgumentParser:
                     help="ppsync's token groups behave as NCCL's or XCCL's: the CPU twin "
                     "(PPSYNC_EMULATE; CPU only); the report shows each worker's twin counts")
     vc.add_argument("--handler-timeout", type=_seconds, default=None, metavar="S",
-                    help="ppsync's bound on every wait in its run (PPSYNC_TIMEOUT_S; none: "
-                    "the handler's default; 10 with --fault, 20 with --mismatch)")
-    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first", "kill-node",
-                                        "stop-node", "cut-link"], default=None,
+                    help="ppsync's bound on one wait for a live peer in its run "
+                    "(PPSYNC_TIMEOUT_S; none: the handler's default, 300; 20 with --mismatch)")
+    vc.add_argument("--handler-silent", type=_seconds, default=None, metavar="S",
+                    help="how long a peer's heartbeat may stop before ppsync's run names it "
+                    "silent (PPSYNC_SILENT_S; none: the handler's default, 15)")
+    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first", "slow-last",
+                                        "idle", "kill-node", "stop-node", "cut-link"],
+                    default=None,
                     help="one PP worker SIGKILLs (kill-) or SIGSTOPs (stop-) itself while the "
-                    "engine generates, with each handler: how each engine ended; with --nodes "
-                    "2, while the HTTP client streams: every process of host 1 SIGKILLed "
-                    "(kill-node) or SIGSTOPped (stop-node), or its veth taken down (cut-link)")
+                    "engine generates, with each handler: how each engine ended; the healthy "
+                    "twins, which must pass with identical tokens and no error: the last "
+                    "worker sleeps in one step (slow-last, --slow), the engine idles between "
+                    "its generate calls (idle, --idle); with --nodes 2, while the HTTP client "
+                    "streams: every process of host 1 SIGKILLed (kill-node) or SIGSTOPped "
+                    "(stop-node), or its veth taken down (cut-link)")
+    vc.add_argument("--slow", type=_seconds, default=None, metavar="S",
+                    help="with --fault slow-last: the last worker's sleep in one step "
+                    "(none: 90)")
+    vc.add_argument("--idle", type=_seconds, default=None, metavar="S",
+                    help="with --fault idle: the engine's idle between its generate calls "
+                    "(none: 180)")
     vc.add_argument("--nodes", type=int, choices=[1, 2], default=1,
                     help="2: two hosts (network namespaces joined by a veth pair; root), "
                     "vLLM's multi-node launch (head with the API server, the other "
@@ -280,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     vc.add_argument("--requests", type=_positive, default=12,
                     help="with --nodes 2: requests in the HTTP burst")
     vc.add_argument("--fault-after", type=_positive, default=4, metavar="N",
-                    help="the faulted worker's step of its fault")
+                    help="the faulted worker's step of its fault (slow-last: its model step)")
     vc.add_argument("--fault-bound", type=_seconds, default=120.0, metavar="S",
                     help="how long after the fault a run is watched before it is called hung")
     vc.add_argument("--seed", type=_non_negative, default=0,

@@ -15,11 +15,16 @@ died), the seconds from the fault to the end, or "still hung" at
 every process of the run is killed, and the check says whether any
 survived that.
 
-ppsync's run passes when the faulted PP rank was named within ``timeout_s``
-+ :data:`SLACK_S` of the fault, the engine ended (not still hung at the
-bound; how long vLLM's executor then takes to stop its workers is reported),
-and no process was left; vLLM's run is reported, not judged. With TP = 1 (this check's
-engines) a global rank is the PP rank.
+ppsync's run passes when the faulted PP rank was named within its bound
+(:func:`naming_bound_s`) + :data:`SLACK_S` of the fault, the engine ended
+(not still hung at the bound; how long vLLM's executor then takes to stop
+its workers is reported), and no process was left; vLLM's run is reported,
+not judged. The bound follows the failure model (docs/design.md): a
+stopped rank is silent, named ``silent_s`` (read from the settings ppsync's
+run gets; 15 s by default) after its heartbeat stopped; a killed one is
+dead, named about at once (:data:`DEAD_S`). Nothing counts ``timeout_s``,
+the bound on a wait for a live peer: the fault runs keep its default. With
+TP = 1 (this check's engines) a global rank is the PP rank.
 """
 
 from __future__ import annotations
@@ -40,14 +45,18 @@ from ppsync.harness.vllm_check.runs import (
     session_processes,
 )
 
-__all__ = ["FAULTS", "GRACE_S", "SLACK_S", "FaultOutcome", "fault_failures", "fault_target",
-           "format_faults", "run_fault"]
+__all__ = ["DEAD_S", "FAULTS", "GRACE_S", "SLACK_S", "FaultOutcome", "bound_text",
+           "fault_failures", "fault_target", "format_faults", "naming_bound_s", "run_fault"]
 
 FAULTS = ("kill-last", "stop-last", "kill-first")
 GRACE_S = 5.0
 """How long after the caller's process ended the check looks for processes left."""
 SLACK_S = 5.0
-"""ppsync's run must name the faulted rank within its timeout_s plus this."""
+"""ppsync's run must name the faulted rank within its bound plus this."""
+DEAD_S = 1.0
+"""A dead rank is named within about this: a connection error at once on a
+rank with a transfer pending with it, the board tells the others at their
+next look (docs/design.md, "The failure model")."""
 PPSYNC_NAMES = re.compile(r"rank(?:\(s\))? (\d+)(?:, \d+)* \(global\)")
 VLLM_DIED = re.compile(r"Worker proc VllmWorker-(\d+) died unexpectedly")
 
@@ -56,6 +65,14 @@ def fault_target(fault: str, pp_size: int) -> tuple[str, int]:
     """(signal action, PP rank) of ``fault``."""
     action, where = fault.split("-")
     return action, pp_size - 1 if where == "last" else 0
+
+
+def naming_bound_s(fault: str, silent_s: float) -> float:
+    """How long after ``fault`` ppsync may take to name the faulted rank
+    (before :data:`SLACK_S`): ``silent_s`` for a stopped one (its heartbeat
+    stopped), :data:`DEAD_S` for a killed one."""
+    action, _ = fault.split("-")
+    return silent_s if action == "stop" else DEAD_S
 
 
 @dataclass(frozen=True)
@@ -160,11 +177,19 @@ def _fault_time(records: Path) -> float | None:
     return None
 
 
-def fault_failures(o: FaultOutcome, timeout_s: float) -> list[str]:
-    """Why ppsync's run of a fault fails (vLLM's run is not judged)."""
+def bound_text(fault: str, silent_s: float) -> str:
+    """``fault``'s bound to name the rank, as the report words it."""
+    bound = naming_bound_s(fault, silent_s)
+    what = "silent_s" if fault.startswith("stop") else "dead"
+    return f"{fault}: {what} {bound:g} + {SLACK_S:g} = {bound + SLACK_S:g} s"
+
+
+def fault_failures(o: FaultOutcome, silent_s: float) -> list[str]:
+    """Why ppsync's run of a fault fails (vLLM's run is not judged);
+    ``silent_s``: the one ppsync's run was given."""
     out = []
     label = f"{o.run.label}, {o.fault}"
-    limit = timeout_s + SLACK_S
+    limit = naming_bound_s(o.fault, silent_s) + SLACK_S
     if o.fault_t is None:
         return [f"{label}: PP rank {o.rank} never reached the step of its fault"]
     if o.ended_after_s is None:
@@ -175,7 +200,7 @@ def fault_failures(o: FaultOutcome, timeout_s: float) -> list[str]:
     elif o.named_after_s is None or o.named_after_s > limit:
         when = "at a time not known" if o.named_after_s is None else \
             f"only {o.named_after_s:.1f} s after the fault"
-        out.append(f"{label}: PP rank {o.rank} named {when}")
+        out.append(f"{label}: PP rank {o.rank} named {when} (bound {limit:g} s)")
     if o.left:
         out.append(f"{label}: processes left: {', '.join(o.left)}")
     return out
@@ -210,8 +235,9 @@ def _outcome_lines(o: FaultOutcome) -> list[str]:
             f"    vLLM's output: {o.run.log}"]
 
 
-def format_faults(outcomes: list[FaultOutcome], pp_size: int, timeout_s: float) -> str:
-    """Both handlers' outcomes of each fault side by side, and the verdict."""
+def format_faults(outcomes: list[FaultOutcome], pp_size: int, silent_s: float) -> str:
+    """Both handlers' outcomes of each fault side by side, and the verdict
+    (``silent_s``: the one ppsync's run was given)."""
     lines = []
     for fault in dict.fromkeys(o.fault for o in outcomes):
         runs = [o for o in outcomes if o.fault == fault]
@@ -221,13 +247,14 @@ def format_faults(outcomes: list[FaultOutcome], pp_size: int, timeout_s: float) 
                      f"{worker_hooks.FAULT_SIGNALS[action]} at its step {step}")
         for o in runs:
             lines += _outcome_lines(o)
-    why = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, timeout_s)]
+    why = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, silent_s)]
     lines.append("")
     if why:
         lines.append("FAIL")
         lines += [f"  {w}" for w in why]
     else:
+        bounds = "; ".join(dict.fromkeys(bound_text(o.fault, silent_s) for o in outcomes))
         lines.append(f"PASS: with ppsync's handler every fault named the faulted PP rank "
-                     f"within timeout_s + {SLACK_S:g} s = {timeout_s + SLACK_S:g} s and ended the "
-                     "engine, leaving no process (vLLM's handler: reported above, not judged)")
+                     f"within its bound ({bounds}) and ended the engine, leaving no process "
+                     "(vLLM's handler: reported above, not judged)")
     return "\n".join(lines)

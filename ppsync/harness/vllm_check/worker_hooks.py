@@ -62,6 +62,7 @@ ENV_MASK_CAST = "PPSYNC_VLLM_CHECK_MASK_CAST"
 ENV_ASYNC = "PPSYNC_VLLM_CHECK_ASYNC_SCHEDULING"
 ENV_FAULT = "PPSYNC_VLLM_CHECK_FAULT"
 ENV_NODE = "PPSYNC_VLLM_CHECK_NODE"  # node_record.ENV_NODE
+ENV_SLOW = "PPSYNC_VLLM_CHECK_SLOW"
 FAULT_SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
 TRITON_INTERPRETER = "triton.runtime.interpreter"
 CPU_PLATFORM = "vllm.platforms.cpu"
@@ -93,7 +94,7 @@ def register_triton_standin() -> None:
         compiler=_StandInCompiler, driver=_StandInDriver))
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``patch(module)`` right after the named module is executed."""
 
     def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
@@ -161,6 +162,9 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
             lambda call, e: write_error(out, call, e))
     last = group.rank_in_group == group.world_size - 1
     fault = _fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
+    slow = _slow_for(group.rank_in_group, runner.execute_model, out)
+    if slow is not None:  # the worker calls its runner's execute_model by attribute
+        runner.execute_model = slow
     frames = (lambda: int(handler.token_path.seq)) if ours else None
     for name in TIMED_CALLS:
         setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault, frames))
@@ -207,6 +211,35 @@ def _fault_for(pp_rank: int, call: str, out: Any) -> Callable[[str], None] | Non
             os.kill(os.getpid(), getattr(signal, FAULT_SIGNALS[action]))
 
     return maybe_fault
+
+
+def _slow_for(pp_rank: int, execute_model: Callable[..., Any],
+              out: Any) -> Callable[..., Any] | None:
+    """``execute_model`` slowed as ``PPSYNC_VLLM_CHECK_SLOW`` asks of this
+    worker (None: not this one): its N-th call that runs the model sleeps
+    first, once, and records ``{"event": "slow", "t", "s", "step"}``."""
+    raw = os.environ.get(ENV_SLOW, "")
+    if not raw:
+        return None
+    rank, after, seconds = raw.split(":")
+    if int(rank) != pp_rank:
+        return None
+    count = [0]
+
+    def slowed(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        runs = not kwargs.get("dummy_run", False) and getattr(
+            scheduler_output, "total_num_scheduled_tokens", 0) > 0
+        if runs:
+            count[0] += 1
+            if count[0] == int(after):
+                t0 = time.time()
+                time.sleep(float(seconds))
+                out.write(json.dumps({"event": "slow", "t": t0, "s": time.time() - t0,
+                                      "step": count[0]}) + "\n")
+                out.flush()
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    return slowed
 
 
 def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None, fault: Callable[
@@ -384,4 +417,4 @@ def install_from_env() -> None:
     for name in [n for n in patches if n in sys.modules]:
         patches.pop(name)(sys.modules[name])
     if patches:
-        sys.meta_path.insert(0, _AfterImport(patches))
+        sys.meta_path.insert(0, AfterImport(patches))
