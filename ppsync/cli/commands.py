@@ -125,8 +125,8 @@ def _sglang_check(args: argparse.Namespace) -> int:
     from ppsync.harness.sglang_check import SglangCheckOptions, run_check
 
     return run_check(SglangCheckOptions(
-        cases=args.fault or ["none", "desync"], timeout_s=args.timeout, hang_s=args.hang,
-        max_tokens=args.max_tokens, work_dir=args.work_dir))
+        cases=args.fault or ["none", "desync"], timeout_s=args.timeout, silent_s=args.silent,
+        slow_s=args.slow, hang_s=args.hang, max_tokens=args.max_tokens, work_dir=args.work_dir))
 
 
 def _bench(args: argparse.Namespace) -> int:

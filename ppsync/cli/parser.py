@@ -313,13 +313,21 @@ def _parser() -> argparse.ArgumentParser:
                         "stopped last stage (0 pass, 1 fail, 2 no SGLang here: "
                         "`make sglang-check`)")
     sc.add_argument("--fault", action="append", default=None,
-                    choices=("none", "kill-last", "stop-last", "desync"), metavar="CASE",
+                    choices=("none", "kill-last", "stop-last", "slow-last", "desync"),
+                    metavar="CASE",
                     help="a case to run: none (tokens and the guard), kill-last, stop-last "
                     "(SIGKILL / SIGSTOP the last stage's scheduler after a first generate), "
-                    "desync (a stage's view perturbed); repeat for more (default: none and "
-                    "desync)")
-    sc.add_argument("--timeout", type=_seconds, default=10.0, metavar="S",
-                    help="the guard's PPSYNC_TIMEOUT_S in the guarded runs")
+                    "slow-last (the last stage sleeps --slow s in one step: a healthy slow "
+                    "stage, never a fault), desync (a stage's view perturbed); repeat for more "
+                    "(default: none and desync)")
+    sc.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+                    help="the guard's PPSYNC_TIMEOUT_S in the guarded runs (none: unset, "
+                    "ppsync's default, 300)")
+    sc.add_argument("--silent", type=_seconds, default=None, metavar="S",
+                    help="the guard's PPSYNC_SILENT_S in the guarded runs (none: unset, "
+                    "ppsync's default, 15)")
+    sc.add_argument("--slow", type=_seconds, default=90.0, metavar="S",
+                    help="slow-last: the last stage's sleep in one step")
     sc.add_argument("--hang", type=_seconds, default=60.0, metavar="S",
                     help="how long SGLang alone may go on after a fault before it is "
                     "reported still hung")
