@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from ppsync.cli.parser import PP_SIZE_ONE
+from ppsync.cli.parser import IDLE_S, PP_SIZE_ONE, SLOW_S
 from ppsync.core.codec import check_frames
 from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
 from ppsync.core.codec.device_kernels import resolve_device_kernels
@@ -46,8 +46,6 @@ from ppsync.schemas.report import RunReport
 SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
 FAULT_MAX_TOKENS = 64  # with --fault: generate still running at the fault
 MISMATCH_TIMEOUT_S = 20.0  # with --mismatch: the start-up agreement's bound
-SLOW_S = 90.0  # --slow's default: a stall well past silent_s, under vLLM's own 300 s
-IDLE_S = 180.0  # --idle's default
 
 
 def _vllm_check(args: argparse.Namespace) -> int:

@@ -25,6 +25,12 @@ from ppsync.schemas.config import (
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
+SLOW_S = 90.0
+"""vllm-check and sglang-check's slow-last: a stall well past silent_s, under
+vLLM's own bound on a step (300 s)."""
+IDLE_S = 180.0
+"""vllm-check's idle: the engine's idle between its generate calls."""
+
 DESCRIPTION = """\
 ppsync carries each step's sampled tokens (with accepted counts and drafts)
 from the last pipeline-parallel stage to every earlier one, over a dedicated
@@ -261,10 +267,11 @@ def _parser() -> argparse.ArgumentParser:
                     "(PPSYNC_EMULATE; CPU only); the report shows each worker's twin counts")
     vc.add_argument("--handler-timeout", type=_seconds, default=None, metavar="S",
                     help="ppsync's bound on one wait for a live peer in its run "
-                    "(PPSYNC_TIMEOUT_S; none: the handler's default, 300; 20 with --mismatch)")
+                    f"(PPSYNC_TIMEOUT_S; none: the handler's default, {DEFAULT_TIMEOUT_S:g}; 20 "
+                    "with --mismatch)")
     vc.add_argument("--handler-silent", type=_seconds, default=None, metavar="S",
                     help="how long a peer's heartbeat may stop before ppsync's run names it "
-                    "silent (PPSYNC_SILENT_S; none: the handler's default, 15)")
+                    f"silent (PPSYNC_SILENT_S; none: the handler's default, {DEFAULT_SILENT_S:g})")
     vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first", "slow-last",
                                         "idle", "kill-node", "stop-node", "cut-link"],
                     default=None,
@@ -277,10 +284,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(stop-node), or its veth taken down (cut-link)")
     vc.add_argument("--slow", type=_seconds, default=None, metavar="S",
                     help="with --fault slow-last: the last worker's sleep in one step "
-                    "(none: 90)")
+                    f"(none: {SLOW_S:g})")
     vc.add_argument("--idle", type=_seconds, default=None, metavar="S",
                     help="with --fault idle: the engine's idle between its generate calls "
-                    "(none: 180)")
+                    f"(none: {IDLE_S:g})")
     vc.add_argument("--nodes", type=int, choices=[1, 2], default=1,
                     help="2: two hosts (network namespaces joined by a veth pair; root), "
                     "vLLM's multi-node launch (head with the API server, the other "
@@ -322,11 +329,11 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: none and desync)")
     sc.add_argument("--timeout", type=_seconds, default=None, metavar="S",
                     help="the guard's PPSYNC_TIMEOUT_S in the guarded runs (none: unset, "
-                    "ppsync's default, 300)")
+                    f"ppsync's default, {DEFAULT_TIMEOUT_S:g})")
     sc.add_argument("--silent", type=_seconds, default=None, metavar="S",
                     help="the guard's PPSYNC_SILENT_S in the guarded runs (none: unset, "
-                    "ppsync's default, 15)")
-    sc.add_argument("--slow", type=_seconds, default=90.0, metavar="S",
+                    f"ppsync's default, {DEFAULT_SILENT_S:g})")
+    sc.add_argument("--slow", type=_seconds, default=SLOW_S, metavar="S",
                     help="slow-last: the last stage's sleep in one step")
     sc.add_argument("--hang", type=_seconds, default=60.0, metavar="S",
                     help="how long SGLang alone may go on after a fault before it is "
