@@ -289,3 +289,21 @@ def test_the_fault_check_judges_by_the_silent_s_ppsyncs_run_gets(
     out = capsys.readouterr().out
     assert ("PASS" if status == 0 else
             "PP rank 1 named only 18.0 s after the fault (bound 15 s)") in out
+
+
+def test_vllms_executor_names_a_dead_worker_when_it_logs_it(tmp_path: Path) -> None:
+    """A dead worker that only vLLM's executor named (ppsync's last rank
+    makes no further call) is named at the executor's log line (whole
+    seconds: read as the latest), not when vLLM's teardown let generate
+    raise; a line without a stamp falls back to that."""
+    stamp = time.mktime((2026, 12, 6, 14, 46, 27, 0, 0, -1))
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) ERROR 12-06 14:46:27 [multiproc_executor.py:315] Worker "
+                   "proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.\n")
+    run = RunResult("ppsync's plugin", True, (), log=str(log), ended_at=stamp + 9.5)
+    rank, by, after = faults._named(run, 0, stamp + 0.3)
+    assert (rank, by) == (0, "vLLM's executor (a worker process died)")
+    assert after is not None and abs(after - 0.7) < 1e-6
+    log.write_text("Worker proc VllmWorker-0 died unexpectedly\n")
+    rank, by, after = faults._named(run, 0, stamp + 0.3)
+    assert rank == 0 and after is not None and abs(after - 9.2) < 1e-6

@@ -7,9 +7,10 @@ hooks, ``PPSYNC_VLLM_CHECK_FAULT``): ``kill-last`` SIGKILLs the last PP
 rank, ``stop-last`` SIGSTOPs it (a silent peer: alive, never sends),
 ``kill-first`` SIGKILLs PP rank 0. The check then watches the run: the
 error the caller of ``generate`` saw (type and first line) and when, which
-PP rank was named and by whom (the caller's error, a worker's error as the
-hooks recorded it, or vLLM's executor, which logs a worker process that
-died), the seconds from the fault to the end, or "still hung" at
+PP rank was named, by whom and when (the caller's error, a worker's error as
+the hooks recorded it, or vLLM's executor, which logs a worker process that
+died: by its log line's stamp, whole seconds, read as the latest it can
+mean), the seconds from the fault to the end, or "still hung" at
 ``fault_bound_s`` after the fault; and the processes still alive
 :data:`GRACE_S` after the caller's process ended (or at the bound). Then
 every process of the run is killed, and the check says whether any
@@ -58,7 +59,10 @@ DEAD_S = 1.0
 rank with a transfer pending with it, the board tells the others at their
 next look (docs/design.md, "The failure model")."""
 PPSYNC_NAMES = re.compile(r"rank(?:\(s\))? (\d+)(?:, \d+)* \(global\)")
-VLLM_DIED = re.compile(r"Worker proc VllmWorker-(\d+) died unexpectedly")
+VLLM_DIED = re.compile(r"(?:(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) \[[^\]]*\] )?"
+                       r"Worker proc VllmWorker-(\d+) died unexpectedly")
+"""vLLM's executor's line for a worker that died, after its log stamp
+(local time, MM-DD HH:MM:SS) where there is one."""
 
 
 def fault_target(fault: str, pp_size: int) -> tuple[str, int]:
@@ -114,9 +118,22 @@ def _named(run: RunResult, rank: int, fault_t: float) -> tuple[int | None, str, 
     if run.log is not None and Path(run.log).exists():
         m = VLLM_DIED.search(Path(run.log).read_text(errors="replace"))
         if m:
-            when = None if run.ended_at is None else run.ended_at - fault_t
-            return int(m.group(1)), "vLLM's executor (a worker process died)", when
+            logged = logged_at(m, fault_t)
+            when = (logged - fault_t if logged is not None else
+                    None if run.ended_at is None else run.ended_at - fault_t)
+            return int(m.group(6)), "vLLM's executor (a worker process died)", when
     return None, "", None
+
+
+def logged_at(m: re.Match[str], near: float) -> float | None:
+    """When vLLM logged the line ``m`` of :data:`VLLM_DIED`, at the latest:
+    its stamp (local time, whole seconds, the year of ``near``) + 1 s; None
+    without a stamp."""
+    if m.group(1) is None:
+        return None
+    year = time.localtime(near).tm_year
+    month, day, hour, minute, second = (int(m.group(i)) for i in range(1, 6))
+    return time.mktime((year, month, day, hour, minute, second, 0, 0, -1)) + 1.0
 
 
 def run_fault(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
