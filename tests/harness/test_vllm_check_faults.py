@@ -198,9 +198,9 @@ def test_the_fault_watch_is_bounded_and_kills_every_process(
 FAULTING = '''\
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from ppsync.harness.vllm_check import worker_hooks
+from ppsync.harness.vllm_check import worker_faults
 out = open(sys.argv[2], "w", buffering=1)
-fault = worker_hooks._fault_for(1, "broadcast", out)
+fault = worker_faults.fault_for(1, "broadcast", out)
 for i in range(5):
     fault("receive")
     fault("broadcast")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ppsync.cli import main
-from ppsync.harness.vllm_check import check, worker_hooks
+from ppsync.harness.vllm_check import check, worker_faults, worker_hooks
 from ppsync.harness.vllm_check.healthy import (
     healthy_env,
     healthy_failures,
@@ -103,8 +103,8 @@ def test_the_slow_hook_stalls_the_nth_model_step_of_its_rank_once(
 
     rec = tmp_path / "worker-1.jsonl"
     with rec.open("w") as out:
-        assert worker_hooks._slow_for(0, execute_model, out) is None  # another rank's
-        slowed = worker_hooks._slow_for(1, execute_model, out)
+        assert worker_faults.slow_for(0, execute_model, out) is None  # another rank's
+        slowed = worker_faults.slow_for(1, execute_model, out)
         assert slowed is not None
         step = SimpleNamespace(total_num_scheduled_tokens=4)
         empty = SimpleNamespace(total_num_scheduled_tokens=0)

@@ -46,7 +46,6 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
-import signal
 import sys
 import time
 import zlib
@@ -71,6 +70,7 @@ DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
 PPSYNC_PLUGIN = "ppsync.compat.vllm.plugin"
 NODE_RECORD = "ppsync.harness.vllm_check.node_record"  # imported once vLLM runs
+WORKER_FAULTS = "ppsync.harness.vllm_check.worker_faults"  # the same
 TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
 
 
@@ -161,8 +161,9 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
         importlib.import_module(PPSYNC_PLUGIN).LEAVE_HOOKS.append(
             lambda call, e: write_error(out, call, e))
     last = group.rank_in_group == group.world_size - 1
-    fault = _fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
-    slow = _slow_for(group.rank_in_group, runner.execute_model, out)
+    faults = importlib.import_module(WORKER_FAULTS)
+    fault = faults.fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
+    slow = faults.slow_for(group.rank_in_group, runner.execute_model, out)
     if slow is not None:  # the worker calls its runner's execute_model by attribute
         runner.execute_model = slow
     frames = (lambda: int(handler.token_path.seq)) if ours else None
@@ -186,60 +187,6 @@ def path_facts(path: Any) -> dict[str, object]:
     return {"codec": path.config.codec, "host_kernels": codec.kernels.name,
             "device_kernels": codec.device_kernels_name, "completion": path.completion.name,
             "frame_bytes": 8 * int(words), "token_backend": str(path.backend)}
-
-
-def _fault_for(pp_rank: int, call: str, out: Any) -> Callable[[str], None] | None:
-    """The fault ``PPSYNC_VLLM_CHECK_FAULT`` asks of this worker: called
-    before each timed call; at the N-th ``call`` it records the time and
-    signals this process."""
-    raw = os.environ.get(ENV_FAULT, "")
-    if not raw:
-        return None
-    action, rank, after = raw.split(":")
-    if int(rank) != pp_rank:
-        return None
-    count = [0]
-
-    def maybe_fault(name: str) -> None:
-        if name != call:
-            return
-        count[0] += 1
-        if count[0] == int(after):
-            out.write(json.dumps({"event": "fault", "t": time.time(), "action": action,
-                                  "pp_rank": pp_rank, "step": count[0]}) + "\n")
-            out.flush()
-            os.kill(os.getpid(), getattr(signal, FAULT_SIGNALS[action]))
-
-    return maybe_fault
-
-
-def _slow_for(pp_rank: int, execute_model: Callable[..., Any],
-              out: Any) -> Callable[..., Any] | None:
-    """``execute_model`` slowed as ``PPSYNC_VLLM_CHECK_SLOW`` asks of this
-    worker (None: not this one): its N-th call that runs the model sleeps
-    first, once, and records ``{"event": "slow", "t", "s", "step"}``."""
-    raw = os.environ.get(ENV_SLOW, "")
-    if not raw:
-        return None
-    rank, after, seconds = raw.split(":")
-    if int(rank) != pp_rank:
-        return None
-    count = [0]
-
-    def slowed(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        runs = not kwargs.get("dummy_run", False) and getattr(
-            scheduler_output, "total_num_scheduled_tokens", 0) > 0
-        if runs:
-            count[0] += 1
-            if count[0] == int(after):
-                t0 = time.time()
-                time.sleep(float(seconds))
-                out.write(json.dumps({"event": "slow", "t": t0, "s": time.time() - t0,
-                                      "step": count[0]}) + "\n")
-                out.flush()
-        return execute_model(scheduler_output, *args, **kwargs)
-
-    return slowed
 
 
 def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None, fault: Callable[
