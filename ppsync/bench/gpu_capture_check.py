@@ -100,6 +100,9 @@ class _OneWork:
     def tick(self) -> None:
         pass
 
+    def hurry(self) -> bool:
+        return False
+
 
 def watcher_poller(completion: Completion, platform: Platform) -> Poller:
     """ppsync's rank watcher, polling the work (its cap: GUARD_TIMEOUT_S)."""

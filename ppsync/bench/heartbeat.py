@@ -62,14 +62,15 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def _observe(board: FailureBoard, ranks: list[int], stop: threading.Event,
+def _observe(store: Store, keys: list[str], stop: threading.Event,
              gaps: list[float]) -> None:
-    """Read every rank's beat every WATCH_EVERY_S; note the time between changes."""
+    """Read every rank's beat (``keys``) every WATCH_EVERY_S, through the
+    uncounted store; note the time between changes."""
     last: dict[int, tuple[bytes, float]] = {}
-    keys = [board._beat_key(r) for r in ranks]
+    ranks = list(range(len(keys)))
     while not stop.wait(WATCH_EVERY_S):
         try:
-            values = board.store.multi_get(keys)
+            values = store.multi_get(keys)
         except RuntimeError:  # a key not written yet
             continue
         now = time.monotonic()
@@ -96,8 +97,9 @@ def _rank(pp_size: int, seconds: float, step_ms: float, env: RankEnv) -> dict[st
         observer = None
         if with_board and env.rank == 0:
             assert board is not None
-            observer = threading.Thread(target=_observe, args=(board, list(range(pp_size)),
-                                                               stop, gaps), daemon=True)
+            keys = [board._beat_key(r) for r in range(pp_size)]
+            observer = threading.Thread(target=_observe, args=(env.store, keys, stop, gaps),
+                                        daemon=True)
             observer.start()
         cpu0, calls0 = _thread_cpu_s(path.watcher._thread), sum(counting.calls.values())
         start = time.monotonic()

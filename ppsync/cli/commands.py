@@ -30,7 +30,7 @@ from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
 from ppsync.core.codec.device_kernels import resolve_device_kernels
 from ppsync.core.recorder.registry import check_dump_dir
 from ppsync.core.recorder.triggers import dump_all, install_dump_triggers
-from ppsync.core.wire.completion import StreamOrdered
+from ppsync.core.wire.completion import HostCompleted, StreamOrdered
 from ppsync.core.wire.groups import pipeline_groups
 from ppsync.debug.cli import dump_files, point_at_dumps
 from ppsync.debug.paths import check_output_file
@@ -62,7 +62,8 @@ def _vllm_check(args: argparse.Namespace) -> int:
     # a healthy one (slow-last, idle) runs as the plain check does
     fault = args.fault is not None and args.fault not in HEALTHY
     settings = tuple((name, value) for name, value in (
-        ("PPSYNC_CODEC", args.codec), ("PPSYNC_HOST_KERNELS", args.host_kernels),
+        ("PPSYNC_CODEC", args.codec), ("PPSYNC_CARRIER", args.carrier),
+        ("PPSYNC_HOST_KERNELS", args.host_kernels),
         ("PPSYNC_DEVICE_KERNELS", args.device_kernels), ("PPSYNC_EMULATE", args.emulate))
         if value is not None)
     # checked as the plugin will check them: a bad combination exits 2 now (the
@@ -161,7 +162,7 @@ def _write_json(flag: str, path: Path | None, report: BaseModel) -> bool:
 SYNC_FLAGS = {"pp_size": "--pp-size", "max_num_reqs": "--max-num-reqs",
               "num_speculative_steps": "--spec", "ring_depth": "--ring-depth",
               "timeout_s": "--timeout", "silent_s": "--silent", "wire": "--wire",
-              "codec": "--codec",
+              "codec": "--codec", "carrier": "--carrier",
               "device_kernels": "--device-kernels", "host_kernels": "--host-kernels",
               "flight_events": "--flight-events"}
 """SyncConfig's fields -> the flags that set them (what an error names)."""
@@ -197,12 +198,14 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
             silent_s=args.silent,
             wire=args.wire,
             codec=args.codec,
+            carrier=args.carrier,
             device_kernels=args.device_kernels,
             host_kernels=args.host_kernels,
             flight_events=args.flight_events,
         )
     if args.emulate is not None:  # before any rank starts
-        check_frames(config, StreamOrdered(), f"gloo emulating {args.emulate}")
+        carried = StreamOrdered() if config.carrier == "device" else HostCompleted()
+        check_frames(config, carried, f"gloo emulating {args.emulate}")
     # a kernel set named outright that cannot run here: a bad argument (exit 2)
     # before any rank starts ("auto" always resolves)
     if config.host_kernels != "auto":

@@ -17,6 +17,7 @@ from ppsync.schemas.bounds import field_bounds
 from ppsync.schemas.config import (
     DEFAULT_SILENT_S,
     DEFAULT_TIMEOUT_S,
+    CarrierName,
     CodecName,
     DeviceKernelsName,
     EmulatedName,
@@ -139,6 +140,10 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--codec", choices=get_args(CodecName), default="host",
                     help="frame codec: host (numpy, the CPU default) or device (torch ops, "
                     "checks deferred one step; runs on CPU tensors here) (default: host)")
+    la.add_argument("--carrier", choices=get_args(CarrierName), default="host",
+                    help="how the device codec's frames travel: host (pinned host memory "
+                    "over gloo: no kernel waits on a peer) or device (the device's backend "
+                    "on a side stream, as vLLM's handler)")
     la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
                     help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
                     "CUDA/XPU where it imports, else torch); only with --codec device")
@@ -192,8 +197,8 @@ def _parser() -> argparse.ArgumentParser:
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 prints the table")
     ru.add_argument("--device", choices=DEVICES, default="cpu",
                     help="where each rank's tensors live: cuda / xpu use the accelerator at "
-                    "LOCAL_RANK (modulo the visible count) and token groups on nccl / xccl; "
-                    "needs --codec device")
+                    "LOCAL_RANK (modulo the visible count); token groups on gloo (the host "
+                    "carrier) or, with --carrier device, nccl / xccl; needs --codec device")
     ru.add_argument("--pp-size", type=_pp_size, default=None,
                     help="ranks P per PP group (default WORLD_SIZE; a divisor of it: "
                     "tensor x pipeline)")
@@ -258,6 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     vc.add_argument("--codec", choices=["host", "device"], default=None,
                     help="ppsync's codec in its run (PPSYNC_CODEC; none: the device's default, "
                     "device with --emulate)")
+    vc.add_argument("--carrier", choices=get_args(CarrierName), default=None,
+                    help="how ppsync's device frames travel in its run (PPSYNC_CARRIER; none: "
+                    "host)")
     vc.add_argument("--host-kernels", choices=["auto", "numba", "numpy"], default=None,
                     help="ppsync's host kernels in its run (PPSYNC_HOST_KERNELS)")
     vc.add_argument("--device-kernels", choices=["auto", "triton", "torch"], default=None,

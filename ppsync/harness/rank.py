@@ -22,7 +22,8 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from ppsync.core.codec import frames_on_device
+from ppsync.core.codec import frames_home, frames_on_device
+from ppsync.core.codec.carriers import STATS as COPY_STATS
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.recorder.registry import set_world
 from ppsync.core.wire.board import FailureBoard
@@ -127,11 +128,15 @@ def twin_abort_hang_s() -> float:
 
 def completion_facts(group: dist.ProcessGroup, emulated: str | None) -> dict[str, object]:
     """The report's fields on the token group's completion semantics; on
-    the CPU twin, what its stand-in streams saw in this process."""
+    the CPU twin, what its stand-in streams saw in this process; with the
+    host carrier (where frames went through pinned memory), its copies' counts."""
     facts: dict[str, object] = {"completion": completion_for(group, group_facts(group)[3]).name}
     if emulated is not None:
         facts |= {"engine_waits_unconsumed": STATS.engine_waits_unconsumed,
                   "engine_waits_consumed": STATS.engine_waits_consumed}
+    if COPY_STATS.built:
+        facts |= {"copy_waits": COPY_STATS.copy_waits,
+                  "pinned_reused_early": COPY_STATS.reused_early}
     return facts
 
 
@@ -162,7 +167,8 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
               world.world_size)
     if device is not None:
         getattr(torch, device.type).set_device(device)
-    backend = None if device is None else platform_for(device).backend
+    backend = None if device is None else frames_home(config.codec, config.carrier,
+                                                      platform_for(device))[0]
     # Making a gloo group connects its ranks, which may still be starting (a
     # loaded host, containers): bounded by the join timeout, like joining (with
     # --timeout, 10 s, a compose run failed in connectFullMesh). Their
@@ -170,7 +176,7 @@ def run_rank(config: SyncConfig, opts: RunOptions, world: WorldEnv) -> RunReport
     # group's; the final gather's is set here).
     _, group = token_groups(pp_groups, timeout_s=opts.join_timeout_s, backend=backend)
     if opts.emulate is not None:
-        emulate(group, opts.emulate, abort_hang_s=twin_abort_hang_s())
+        emulate(group, opts.emulate, carrier=config.carrier, abort_hang_s=twin_abort_hang_s())
     gather = dist.new_group(list(range(world.world_size)),
                             timeout=datetime.timedelta(seconds=opts.join_timeout_s))
     gather.set_timeout(datetime.timedelta(seconds=config.timeout_s))

@@ -130,6 +130,14 @@ def format_table(report: RunReport) -> str:
         lines += [f"  rank {r.global_rank if r.global_rank is not None else r.rank}: "
                   f"{r.engine_waits_unconsumed} unconsumed, {r.engine_waits_consumed} at consume"
                   for r in twin]
+    carried = [r for r in report.ranks if r.copy_waits is not None]
+    if carried:
+        lines.append("the host carrier: pinned buffers reused before their copy ended, and "
+                     "waits for a frame's copy to pinned memory (both must be 0: the engine's "
+                     "thread never waits on a copy):")
+        lines += [f"  rank {r.global_rank if r.global_rank is not None else r.rank}: "
+                  f"{r.pinned_reused_early} reused early, {r.copy_waits} copy waits"
+                  for r in carried]
     lines.append(verdict_line(report))
     return "\n".join(lines)
 
@@ -162,6 +170,7 @@ def verdict_line(report: RunReport) -> str:
             f" device_kernels={c.device_kernels}" if c.codec == "device" else "")
     emulate = f" emulate={report.emulate}" if report.emulate else ""
     mode = report.framework or report.mode
+    carrier = f" carrier={c.carrier}" if c.codec == "device" else ""
     return (f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
-            f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec} {kernels}"
+            f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec}{carrier} {kernels}"
             f"{emulate} mode={mode} -> {verdict}")

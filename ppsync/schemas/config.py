@@ -24,6 +24,8 @@ from ppsync.schemas._validate import validate_as
 
 WireMode = Literal["fixed", "exact"]
 CodecName = Literal["host", "device"]
+CarrierName = Literal["host", "device"]
+"""How the device codec's frames travel (ppsync.core.wire.backends.CARRIERS)."""
 HostKernelsName = Literal["auto", "numba", "numpy"]
 DeviceKernelsName = Literal["auto", "triton", "torch"]
 EmulatedName = Literal["nccl", "xccl"]
@@ -80,6 +82,13 @@ class SyncConfig(BaseModel):
     default); 'device': with torch ops where the tensors live, checks
     deferred by one step (what a GPU needs: no host sync per step). Every
     rank must use the same codec (the handshake compares it)."""
+    carrier: CarrierName = "host"
+    """How the device codec's frames travel between ranks: 'host' (the
+    default: packed and checked on the device, copied to pinned host memory
+    without blocking, over gloo, copied back at consume: no kernel of the
+    device waits on a peer) or 'device' (the device's own backend, NCCL or
+    XCCL, on a side stream). The host codec's frames are host frames either
+    way. Every rank must use the same (the handshake compares it)."""
     host_kernels: HostKernelsName = "auto"
     """The host path's per-step kernels: 'numba' (compiled calls: the view's
     facts, the sampler values, the pack; the frame's check and release;

@@ -64,6 +64,13 @@ class RankReport(BaseModel):
     engine_waits_consumed: int | None = Field(default=None, ge=0)
     """CPU twin only: the engine's stream's waits on received frames at their
     consume (the expected ones)."""
+    copy_waits: int | None = Field(default=None, ge=0)
+    """The host carrier only (else None): times a thread waited for a frame's
+    copy to pinned memory before it could send it (a drain at close waits
+    for the copies uncounted). Must be 0: the engine never waits on a copy."""
+    pinned_reused_early: int | None = Field(default=None, ge=0)
+    """The host carrier only: pinned buffers taken again before the copy that
+    last used them ended. Must be 0."""
     host_kernels: str | None = None
     """The host kernel set this rank resolved ("numba", "numpy"; None: not known)."""
     device_kernels: str | None = None
@@ -73,9 +80,11 @@ class RankReport(BaseModel):
     @property
     def faults(self) -> int:
         """Rows lost, stale, duplicated or corrupt, plus the twin's engine-stream
-        waits on unconsumed transfers (a broken promise, though no row was)."""
+        waits on unconsumed transfers and the host carrier's pinned buffers
+        reused early and waits on a copy (broken promises, though no row was)."""
         return (self.lost + self.stale + self.duplicated + self.corrupt
-                + (self.engine_waits_unconsumed or 0))
+                + (self.engine_waits_unconsumed or 0) + (self.pinned_reused_early or 0)
+                + (self.copy_waits or 0))
 
 
 class RunReport(BaseModel):

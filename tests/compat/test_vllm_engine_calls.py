@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -35,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from twin_mode import check_engine_stream
+from twin_mode import CARRIED_ENV, check_engine_stream
 from vllm_standin import use_standin, write_standin
 
 from ppsync.compat.vllm import PPHandler, SampledOutputs
@@ -96,6 +97,10 @@ class Case:
     no_drafts_every: int = 0  # steps t % no_drafts_every == 1 propose no drafts
     aux: bool = False  # stages pass hidden states and a relayed aux down the pipe
     emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin (device codec)
+    carrier: Literal["host", "device"] = "device"  # with emulate: the twin carries, or the host
+    idle_at: int = -1  # after this step (its drafts skipped) every rank idles IDLE_S
+    timeout_s: float = WAIT_S
+    warmup: int = 0  # synthetic steps first, with the handler disabled (vLLM's warm-up)
 
     @property
     def L(self) -> int:
@@ -213,6 +218,32 @@ def forward(h: PPHandler, env: RankEnv, t: int, seen: Seen) -> None:
     dist.send(torch.cat([out.tensors["hidden_states"], out.tensors[AUX_KEY]]), dst=rank + 1)
 
 
+def warm_up(h: PPHandler, case: Case, last: bool) -> None:
+    """vLLM's warm-up as an open vLLM PR runs it: synthetic steps on every
+    rank with the handler disabled around them. Disabled, it issues nothing
+    and answers as vLLM's own does; enabled again, the real steps follow."""
+    h.set_disabled(True)
+    K = case.K
+    n = 2
+    dummy = VllmInputBatch(
+        num_reqs=n, idx_mapping=torch.arange(n), idx_mapping_np=np.arange(n, dtype=np.intp),
+        num_computed_tokens_np=np.full(n, 9, np.int32), num_scheduled_tokens=np.ones(n, np.int32),
+        prefill_len_np=np.full(n, 4, np.int32), is_prefilling_np=np.zeros(n, bool),
+        max_seq_len_np=None, num_draft_tokens=K * n)
+    for _ in range(case.warmup):
+        assert h.get_prev_sampled_outputs() is None
+        if last:
+            h.broadcast(torch.zeros(n, K + 1, dtype=torch.int64),
+                        torch.ones(n, dtype=torch.int32),
+                        torch.zeros(n, dtype=torch.int32), dummy)
+            if K:
+                h.broadcast_drafts(torch.zeros(n, K, dtype=torch.int64))
+        else:
+            assert h.receive(dummy, K > 0) is True  # every row needs a sample
+    assert h.token_path.seq == 0  # nothing was issued
+    h.set_disabled(False)
+
+
 class Model(torch.nn.Module):
     """vLLM's model as the stand-in EAGLE3 helper reads it."""
 
@@ -231,12 +262,34 @@ def engine_rank(case: Case, standin: Path, env: RankEnv) -> Seen:
     table = torch.full((MAX_NUM_REQS, K), -7, dtype=torch.int64)  # req_states.draft_tokens
     rng = np.random.default_rng(case.seed + 1000)
     seen = Seen()
-    with PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface,
-                   emulate=case.emulate) as h:
+
+    def sample_tokens(h: PPHandler, t: int, step: ScheduledStep, batch: VllmInputBatch,
+                      drafts: bool) -> None:
+        """The last rank's sample_tokens: broadcast, then broadcast_drafts
+        when the step proposed drafts; it returns before the next step."""
+        w = case.width(step)
+        h.broadcast(torch.from_numpy(step.tokens_np[:, :w]),
+                    torch.from_numpy(step.num_sampled_np),
+                    torch.from_numpy(step.num_rejected_np), batch)
+        if case.proposes(t):
+            assert step.drafts_np is not None
+            if case.interface == "0.32":
+                # noise in every slot; the step's drafts at its rows' slots
+                full = torch.from_numpy(rng.integers(-99, -10, (MAX_NUM_REQS, K)))
+                full[batch.idx_mapping] = torch.from_numpy(step.drafts_np)
+                h.broadcast_drafts(full, batch)
+            elif drafts:
+                h.broadcast_drafts(torch.from_numpy(step.drafts_np))
+
+    with PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=case.timeout_s, interface=case.interface,
+                   emulate=case.emulate, carrier=case.carrier) as h:
         assert h.is_last_rank == last
-        assert h.token_path.completion.stream_ordered == (case.emulate is not None)
+        assert h.token_path.completion.stream_ordered == (
+            case.emulate is not None and case.carrier == "device")
         if case.aux:
             h.configure_aux_hidden_state_relay(Model())
+        if case.warmup:
+            warm_up(h, case, last)
         for t in range(case.steps + case.pp_size):
             before = table.clone()
             if case.interface == "0.32":
@@ -263,21 +316,18 @@ def engine_rank(case: Case, standin: Path, env: RankEnv) -> Seen:
                 else:
                     every = h.receive(batch, drafts)
                 assert every == bool(step.num_reqs and step.need_np.all()), f"step {t}"
-                continue
-            w = case.width(step)
-            h.broadcast(torch.from_numpy(step.tokens_np[:, :w]),
-                        torch.from_numpy(step.num_sampled_np),
-                        torch.from_numpy(step.num_rejected_np), batch)
-            if case.proposes(t):
-                assert step.drafts_np is not None
-                if case.interface == "0.32":
-                    # noise in every slot; the step's drafts at its rows' slots
-                    full = torch.from_numpy(rng.integers(-99, -10, (MAX_NUM_REQS, K)))
-                    full[batch.idx_mapping] = torch.from_numpy(step.drafts_np)
-                    h.broadcast_drafts(full, batch)
-                elif drafts:
-                    h.broadcast_drafts(torch.from_numpy(step.drafts_np))
-    check_engine_stream("twin" if case.emulate else "gloo")
+            else:
+                sample_tokens(h, t, step, batch, drafts)
+            if t == case.idle_at:  # the engine goes idle: no call on any rank
+                assert not case.proposes(t) and step.need_np.any(), "the premise"
+                time.sleep(3 * case.timeout_s)
+                # no receive is left pending on a frame the last rank held
+                path = h.token_path
+                pending = [p.frame.seq for p in path.ring.pending()
+                           if p is not None and not path.completion.ended(p.work)]
+                assert pending == [], f"rank {env.rank}: frames {pending} never came"
+    check_engine_stream("gloo" if not case.emulate else
+                        "carried" if case.carrier == "host" else "twin")
     return seen
 
 
@@ -290,6 +340,22 @@ CASES = [
     # on the twin of NCCL and XCCL, as the plugin's PPSYNC_EMULATE builds them
     Case("0.32", pp_size=3, K=3, seed=1, aux=True, emulate="nccl"),
     Case("0.33", pp_size=2, K=3, no_drafts_every=3, seed=2, emulate="xccl"),
+    # a step whose drafts were skipped (vLLM 0.33 on calls no broadcast_drafts
+    # then), then the engine idles for 3 x timeout_s: the held frame goes from
+    # the last rank's watcher once sample_tokens returned, and the run goes
+    # on exactly (before, the receivers' receive stayed pending and the
+    # post-based clocks ended the healthy idle server)
+    Case("0.33", pp_size=2, K=2, no_drafts_every=3, seed=5, steps=30, idle_at=10,
+         timeout_s=2.0),
+    Case("0.33", pp_size=2, K=2, no_drafts_every=3, seed=5, steps=30, idle_at=13,
+         timeout_s=2.0, emulate="nccl"),
+    # warm-up steps with the handler disabled (set_disabled), then real ones
+    Case("0.33", pp_size=3, K=2, no_drafts_every=4, seed=3, empty_every=4, warmup=5),
+    # the host carrier (the default on a GPU) on the twin of a CUDA device
+    Case("0.32", pp_size=3, K=3, seed=1, aux=True, emulate="nccl", carrier="host"),
+    Case("0.33", pp_size=2, K=3, no_drafts_every=3, seed=2, emulate="nccl", carrier="host"),
+    Case("0.33", pp_size=2, K=2, no_drafts_every=3, seed=5, steps=30, idle_at=10,
+         timeout_s=2.0, emulate="nccl", carrier="host"),
 ]
 
 
@@ -297,7 +363,8 @@ CASES = [
 def test_vllm_call_sequences_deliver_every_row_exactly(case: Case, tmp_path: Path) -> None:
     standin = write_standin(tmp_path)
     seen = spawn_ranks(functools.partial(engine_rank, case, standin), case.pp_size,
-                       timeout_s=SPAWN_TIMEOUT_S)
+                       timeout_s=SPAWN_TIMEOUT_S,
+                       env=CARRIED_ENV if case.carrier == "host" else None)
     receivers = seen[:-1]
     for s in receivers:
         assert s.rows_kept > 0 and s.rows_freed > 0 and s.empty_steps > 0

@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
-from twin_mode import check_engine_stream
+from twin_mode import CARRIED_ENV, check_engine_stream
 
 from ppsync.compat.vllm import PPHandler, PPHandler034Cpu, SampledOutputs
 from ppsync.errors import ProtocolError
@@ -95,6 +95,7 @@ class Case:
     steps: int = 60
     empty_every: int = 5
     emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin (device codec)
+    carrier: Literal["host", "device"] = "device"  # with emulate: the twin carries, or the host
 
     @property
     def table(self) -> bool:
@@ -174,11 +175,13 @@ def engine_rank(case: Case, env: RankEnv) -> Seen:
     seen = Seen()
     # the twin through the handler's own argument
     if case.interface == "0.34-cpu":
-        h: PPHandler = PPHandler034Cpu(MAX_NUM_REQS, CPU, timeout_s=WAIT_S, emulate=case.emulate)
+        h: PPHandler = PPHandler034Cpu(MAX_NUM_REQS, CPU, timeout_s=WAIT_S, emulate=case.emulate,
+                                       carrier=case.carrier)
     else:
         h = PPHandler(MAX_NUM_REQS, K, CPU, timeout_s=WAIT_S, interface=case.interface,
-                      emulate=case.emulate)
-    assert h.token_path.completion.stream_ordered == (case.emulate is not None)
+                      emulate=case.emulate, carrier=case.carrier)
+    assert h.token_path.completion.stream_ordered == (
+        case.emulate is not None and case.carrier == "device")
     with h:
         for t in range(case.steps + 2):
             before = table.clone()
@@ -211,7 +214,8 @@ def engine_rank(case: Case, env: RankEnv) -> Seen:
                 with pytest.raises(ProtocolError, match=r"broadcast_drafts\(\) is not in vLLM "
                                                         rf"{case.interface}'s PPHandler"):
                     h.broadcast_drafts(torch.zeros(step.num_reqs, K, dtype=torch.int64))
-    check_engine_stream("twin" if case.emulate else "gloo")
+    check_engine_stream("gloo" if not case.emulate else
+                        "carried" if case.carrier == "host" else "twin")
     return seen
 
 
@@ -221,12 +225,16 @@ CASES = [
     # on the twin of NCCL and XCCL, as the plugin's PPSYNC_EMULATE builds them
     Case("0.23", K=2, seed=11, emulate="nccl"), Case("0.25", K=1, seed=12, emulate="xccl"),
     Case("0.30", K=2, seed=19, emulate="nccl"), Case("0.34-cpu", K=0, seed=15, emulate="xccl"),
+    # the host carrier (the default on a device) on the twin of a CUDA / XPU device
+    Case("0.25", K=1, seed=12, emulate="xccl", carrier="host"),
+    Case("0.34-cpu", K=0, seed=15, emulate="nccl", carrier="host"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_each_releases_call_sequence_delivers_every_row_exactly(case: Case) -> None:
-    receiver, _ = spawn_ranks(functools.partial(engine_rank, case), 2, timeout_s=60.0)
+    receiver, _ = spawn_ranks(functools.partial(engine_rank, case), 2, timeout_s=60.0,
+                              env=CARRIED_ENV if case.carrier == "host" else None)
     assert receiver.rows_kept > 0 and receiver.rows_freed > 0 and receiver.empty_steps > 0
     assert receiver.rows_reused > 0  # a freed slot taken by another request, row excluded
     if case.table and case.K:

@@ -189,7 +189,8 @@ def twin_refused_rank(env: RankEnv) -> list[str]:
     """Every rank: the twin's requirements refused at construction; then
     the world group still works (no rank was left in a collective)."""
     seen = []
-    for kwargs, device in (({"codec": "host"}, "cpu"), ({"codec": "device"}, "meta")):
+    for kwargs, device in (({"codec": "host", "carrier": "device"}, "cpu"),
+                           ({"codec": "device"}, "meta")):
         with pytest.raises(ConfigError) as info:
             PPHandler(4, 0, torch.device(device), emulate="nccl", timeout_s=5.0,
                       **kwargs)  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ from fault_fuzz_inputs import Bad, collect, replace_field
 from twin_mode import Mode, check_engine_stream, mode_group
 
 from ppsync.compat.vllm import PPHandler
+from ppsync.core.codec.device import DeviceCodec
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
@@ -54,6 +55,8 @@ VARIANTS: list[dict[str, str]] = [
     # the device codec on the CPU twin of NCCL (tests/twin_mode.py)
     {"codec": "device", "device_kernels": "torch", "emulate": "nccl"},
     {"codec": "device", "device_kernels": "triton", "emulate": "nccl"},
+    # ... its frames through pinned host memory over gloo (the host carrier)
+    {"codec": "device", "device_kernels": "torch", "emulate": "nccl", "carrier": "host"},
 ]
 """SyncConfig fields of each codec variant (and "emulate": the token group
 behaves as NCCL's); the first is the reference."""
@@ -62,7 +65,11 @@ behaves as NCCL's); the first is the reference."""
 def _split(variant: dict[str, str]) -> tuple[dict[str, str], Mode]:
     """(the SyncConfig fields, the completion mode) of a variant."""
     fields = {k: v for k, v in variant.items() if k != "emulate"}
-    return fields, "twin" if "emulate" in variant else "gloo"
+    if "emulate" not in variant:
+        return fields, "gloo"
+    if variant.get("carrier") == "host":
+        return fields, "carried"
+    return fields | {"carrier": "device"}, "twin"
 
 
 def _variants(*, twin: bool = True) -> list[object]:
@@ -200,6 +207,8 @@ def _uses(path: TokenPath, variant: dict[str, str]) -> None:
         assert codec.kernels.name == variant["host_kernels"]
     if "device_kernels" in variant:
         assert codec.device_kernels_name == variant["device_kernels"]
+    if "carrier" in variant:
+        assert isinstance(codec, DeviceCodec) and codec.carrier.name == variant["carrier"]
 
 
 def variant_path(variant: dict[str, str], k: int) -> tuple[TokenPath, Mode]:
@@ -325,11 +334,14 @@ def _adapter_rank(variant: dict[str, str], interface: str, seed: int,
     table = torch.full((MAX_NUM_REQS, k), -7, dtype=torch.int64)
     # the twin through the adapter's own argument: its token group takes the
     # same completion choice as every path's (emulate, then completion_for)
+    fields, mode = _split(variant)
+    if "emulate" in variant:
+        fields["emulate"] = variant["emulate"]
     with PPHandler(MAX_NUM_REQS, k, torch.device("cpu"), timeout_s=TIMEOUT_S,
-                   interface=interface, board=None, **variant) as h:  # type: ignore[arg-type]
-        _uses(h._path, variant)
-        assert h._path.completion.stream_ordered == ("emulate" in variant)
-        if "emulate" in variant:
+                   interface=interface, board=None, **fields) as h:  # type: ignore[arg-type]
+        _uses(h._path, fields)
+        assert h._path.completion.stream_ordered == (mode == "twin")
+        if mode == "twin":
             assert h._path.completion.name == f"stream-ordered (twin of {variant['emulate']})"
         for t in range(STEPS + 2):
             step = steps[t] if t < STEPS else None

@@ -97,6 +97,9 @@ CASES = [
     pytest.param("twin-sync", 1, "kill", 30.0, id="twin-sync-kill1"),
     pytest.param("twin-sync", 1, "stop", 30.0, id="twin-sync-stop1"),
     pytest.param("twin-asyncio", 1, "stop", 30.0, id="twin-asyncio-stop1"),
+    # ... with the frames by the host carrier
+    pytest.param("carried-sync", 1, "kill", 30.0, id="carried-sync-kill1"),
+    pytest.param("carried-trio", 1, "stop", 30.0, id="carried-trio-stop1"),
     # XCCL's (no abort: the pending receives stay pending), and NCCL's with an
     # abort that never returns: survivors still raise at once and exit
     pytest.param("xccl-sync", 1, "kill", 30.0, id="xccl-sync-kill1"),

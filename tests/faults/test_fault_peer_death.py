@@ -161,6 +161,9 @@ CASES = [
     pytest.param("sync", 1, "twin", id="twin-sync-kill1"),
     pytest.param("asyncio", 1, "twin", id="twin-asyncio-kill1"),
     pytest.param("trio", 2, "twin", id="twin-trio-kill2"),
+    # ... with the frames by the host carrier (the default on a GPU)
+    pytest.param("sync", 1, "carried", id="carried-sync-kill1"),
+    pytest.param("asyncio", 2, "carried", id="carried-asyncio-kill2"),
     # XCCL's semantics (no abort), and NCCL's with an abort that never returns
     pytest.param("sync", 1, "xccl", id="xccl-sync-kill1"),
     pytest.param("trio", 2, "xccl", id="xccl-trio-kill2"),

@@ -118,6 +118,7 @@ SLOW_CASES = [
     pytest.param(2, "gloo", "sync", id="p2-gloo-sync"),
     pytest.param(3, "twin", "asyncio", id="p3-twin-asyncio"),
     pytest.param(3, "xccl", "sync", id="p3-xccl-sync"),
+    pytest.param(3, "carried", "trio", id="p3-carried-trio"),
 ]
 
 

@@ -195,7 +195,8 @@ def test_launch_on_the_cpu_twin_of_nccl_reports_the_engine_stream_waits(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["launch", "--pp-size", "2", "--steps", "60", "--spec", "2", "--max-num-reqs", "8",
-            "--timeout", "20", "--codec", "device", "--emulate", "nccl", "--quiet"]
+            "--timeout", "20", "--codec", "device", "--carrier", "device", "--emulate", "nccl",
+            "--quiet"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "stream-ordered (twin of nccl): engine-stream waits on transfers not yet consumed" \
@@ -205,8 +206,22 @@ def test_launch_on_the_cpu_twin_of_nccl_reports_the_engine_stream_waits(
     assert int(waits[0][2]) > 0 and waits[1][2] == "0", out  # the receiver waits at consume
     assert out.strip().endswith("-> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"), out
     # the verdict line names what the run used: the sets as resolved, the emulation
-    assert re.search(r"codec=device device_kernels=torch host_kernels=(numba|numpy) "
-                     r"emulate=nccl mode=sync -> OK", out), out
+    assert re.search(r"codec=device carrier=device device_kernels=torch "
+                     r"host_kernels=(numba|numpy) emulate=nccl mode=sync -> OK", out), out
+
+
+def test_launch_with_the_host_carrier_on_the_twin_reports_its_copies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the default carrier: frames through pinned memory over gloo, no copy waited on
+    argv = ["launch", "--pp-size", "3", "--steps", "200", "--spec", "2", "--max-num-reqs", "8",
+            "--timeout", "20", "--codec", "device", "--emulate", "nccl", "--quiet"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "host-completed (the host carrier; twin of a nccl device)" in out, out
+    copies = re.findall(r"rank (\d): (\d+) reused early, (\d+) copy waits", out)
+    assert copies == [("0", "0", "0"), ("1", "0", "0"), ("2", "0", "0")], out
+    assert re.search(r"codec=device carrier=host .* emulate=nccl mode=sync -> OK: 0 lost", out)
 
 
 def test_unconsumed_waits_on_the_twin_fail_the_run(capsys: pytest.CaptureFixture[str],
@@ -220,8 +235,9 @@ def test_unconsumed_waits_on_the_twin_fail_the_run(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize(("flags", "match"), [
-    (["--emulate", "nccl"], r"codec = 'host' frames are host buffers"),
-    (["--emulate", "nccl", "--codec", "device", "--wire", "exact"], r"wire = 'exact'"),
+    (["--emulate", "nccl", "--carrier", "device"], r"codec = 'host' frames are host buffers"),
+    (["--emulate", "nccl", "--codec", "device", "--carrier", "device", "--wire", "exact"],
+     r"wire = 'exact'"),
     (["--emulate", "gloo"], r"argument --emulate: invalid choice"),
 ])
 def test_emulate_without_device_frames_on_a_fixed_wire_exits_2(

@@ -62,6 +62,8 @@ CASES: list[tuple[int, int, int, Framework, Mode]] = [
     (2, 3, 0, "trio", "twin"),
     (3, 3, 0, "asyncio", "twin"),
     (3, 0, 1, "trio", "twin"),
+    (3, 3, 0, "trio", "carried"),
+    (2, 2, 1, "asyncio", "carried"),
 ]
 
 

@@ -267,6 +267,9 @@ class SglangGuard:
     def tick(self) -> None:
         """Nothing to do between rounds."""
 
+    def hurry(self) -> bool:
+        return False
+
     def _end_stage(self, err: PPSyncError) -> None:
         """The watcher found a failure while this stage's scheduler is blocked
         in a gloo wait it cannot leave: end the stage (named, posted and

@@ -41,23 +41,20 @@ from ppsync.compat.vllm.calls import HANDLER_CALLS, guarded
 from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached
 from ppsync.compat.vllm.held import HeldStep
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
-from ppsync.compat.vllm.settings import check_twin
+from ppsync.compat.vllm.settings import handler_path
 from ppsync.compat.vllm.versions import (
     Interface,
     Runner,
     microbatching_off,
     resolve_interface,
 )
-from ppsync.core.codec import StepDrafts, default_codec, frames_home
+from ppsync.core.codec import StepDrafts, default_codec
 from ppsync.core.codec.records import PreparedStep
 from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.path.names import CallNames
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.board import FailureBoard
-from ppsync.core.wire.completion import emulate as emulate_group
-from ppsync.core.wire.groups import strided_groups, token_group_among
-from ppsync.core.wire.platform import platform_for
 from ppsync.errors import ConfigError, PPSyncError, ProtocolError
 from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
 
@@ -93,7 +90,8 @@ class PPHandler(AuxRelayCalls):
     None: the installed vLLM's), which picks the subclass this call builds;
     ``board``: where ranks post failures ("group", the default: in the token
     group's own store; None: no board); ``codec``: None picks the device codec
-    for a non-CPU device or with ``emulate``; ``host_kernels``: the host path's kernels
+    for a non-CPU device or with ``emulate``; ``carrier``: how device frames
+    travel (SyncConfig.carrier); ``host_kernels``: the host path's kernels
     (SyncConfig.host_kernels); ``device_kernels``: the device path's
     (SyncConfig.device_kernels); ``emulate``: "nccl" | "xccl", the token group
     behaves as that backend's (the CPU twin: CPU tensors, the device codec).
@@ -144,6 +142,7 @@ class PPHandler(AuxRelayCalls):
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
+        carrier: Literal["host", "device"] = "host",
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
@@ -176,24 +175,13 @@ class PPHandler(AuxRelayCalls):
             timeout_s=timeout_s,
             silent_s=silent_s,
             codec=codec,
+            carrier=carrier,
             host_kernels=host_kernels,
             device_kernels=device_kernels,
         )
         self.config = config
-        # the device codec's frames live on the engine's device: its backend
-        # (nccl on CUDA, xccl on XPU); host frames go over gloo
-        if emulate is not None:  # before any group is made
-            check_twin(config, emulate, self.device)
-        backend, platform = frames_home(codec, platform_for(self.device))
-        if pp_groups is None:
-            pp_groups = strided_groups(dist.get_world_size(),
-                                       dist.get_process_group_ranks(pp_group))
-        tokens = token_group_among(pp_group, pp_groups, timeout_s=config.timeout_s,
-                                   backend=backend)
-        if emulate is not None:  # the same completion choice as every path's
-            emulate_group(tokens, emulate)
-        self._path = TokenPath(config, tokens, board=board, names=VLLM_NAMES,
-                               platform=platform)
+        self._path = handler_path(config, self.device, pp_group, pp_groups, board, emulate,
+                                  VLLM_NAMES)
         self._aux = AuxRelay()
         self._held = HeldStep()  # last rank, K > 0: a step waiting for its drafts
         self._disabled = False
@@ -341,7 +329,9 @@ class PPHandler(AuxRelayCalls):
         send a held step without drafts once its engine step ended
         (ppsync.compat.vllm.held), unless the send would wait (then at the
         next round); its error is raised at the engine's next call."""
-        if not self._held.step_ended() or self._path.works_before_issue():
+        path = self._path
+        if not self._held.step_ended() or not all(
+                path.completion.ended(w) for w in path.works_before_issue()):
             return
         try:
             self._flush_held()

@@ -132,7 +132,7 @@ def _agree(group: dist.ProcessGroup, interface: str | None) -> Peers:
 def _settings_kwargs() -> dict[str, Any]:
     """The handler's keywords from the operator's variables (read once)."""
     s = plugin_settings()
-    return {"codec": s.codec, "host_kernels": s.host_kernels,
+    return {"codec": s.codec, "carrier": s.carrier, "host_kernels": s.host_kernels,
             "device_kernels": s.device_kernels, "timeout_s": s.timeout_s,
             "silent_s": s.silent_s, "emulate": s.emulate}
 

@@ -8,10 +8,13 @@ rule (:class:`ConfigError`), before any handler is built and before any
 collective: an engine never runs with some workers on vLLM's handler and
 others on ppsync's. The handlers the plugin binds are built with
 :func:`plugin_settings` (read again only when the environment changed,
-which a test does; vLLM does not).
+which a test does; vLLM does not); :func:`handler_path` builds the token
+path they describe.
 
 - ``PPSYNC_CODEC``: ``host`` | ``device`` (unset: the device codec on an
   accelerator, the host codec on CPU; with ``PPSYNC_EMULATE``: device);
+- ``PPSYNC_CARRIER``: ``host`` | ``device``: how device frames travel
+  (SyncConfig.carrier; unset: host, through pinned memory over gloo);
 - ``PPSYNC_HOST_KERNELS``: ``auto`` | ``numba`` | ``numpy`` (SyncConfig.host_kernels);
 - ``PPSYNC_DEVICE_KERNELS``: ``auto`` | ``triton`` | ``torch`` (SyncConfig.device_kernels);
 - ``PPSYNC_TIMEOUT_S``, ``PPSYNC_SILENT_S``: the bound on one wait for a live
@@ -38,35 +41,44 @@ An empty value counts as unset.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
 import torch
+import torch.distributed as dist
 
 from ppsync.compat.env import BOUND_VARS, ENV_SILENT, ENV_TIMEOUT, bounds_from_env
-from ppsync.core.codec import check_frames
+from ppsync.core.codec import check_frames, frames_home
 from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
 from ppsync.core.codec.device_kernels import resolve_device_kernels
+from ppsync.core.path.names import CallNames
+from ppsync.core.path.token_path import TokenPath
 from ppsync.core.recorder.registry import check_dump_dir
-from ppsync.core.wire.completion import EMULATED, StreamOrdered
+from ppsync.core.wire.backends import CARRIERS
+from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.completion import EMULATED, HostCompleted, StreamOrdered
+from ppsync.core.wire.completion import emulate as emulate_group
+from ppsync.core.wire.groups import strided_groups, token_group_among
+from ppsync.core.wire.platform import platform_for
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
-__all__ = ["ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS", "ENV_ON_ERROR",
-           "ENV_SILENT", "ENV_TIMEOUT",
-           "SETTINGS_ENV", "PluginSettings", "accelerator_here", "check_twin", "plugin_settings",
-           "settings_from_env"]
+__all__ = ["ENV_CARRIER", "ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS",
+           "ENV_ON_ERROR", "ENV_SILENT", "ENV_TIMEOUT",
+           "SETTINGS_ENV", "PluginSettings", "accelerator_here", "check_twin", "handler_path",
+           "plugin_settings", "settings_from_env"]
 
 ENV_CODEC = "PPSYNC_CODEC"
 ENV_HOST_KERNELS = "PPSYNC_HOST_KERNELS"
 ENV_DEVICE_KERNELS = "PPSYNC_DEVICE_KERNELS"
+ENV_CARRIER = "PPSYNC_CARRIER"
 ENV_EMULATE = "PPSYNC_EMULATE"
 ENV_ON_ERROR = "PPSYNC_VLLM_ON_ERROR"
-SETTINGS_ENV = (ENV_CODEC, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, *BOUND_VARS, ENV_EMULATE,
-                DUMP_DIR_ENV, ENV_ON_ERROR)
+SETTINGS_ENV = (ENV_CODEC, ENV_CARRIER, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, *BOUND_VARS,
+                ENV_EMULATE, DUMP_DIR_ENV, ENV_ON_ERROR)
 """Every variable this module reads."""
 
 CODECS = ("host", "device")
@@ -79,6 +91,7 @@ class PluginSettings:
     """The handler's settings, as the operator's variables give them."""
 
     codec: Literal["host", "device"] | None = None  # None: by the device (default_codec)
+    carrier: Literal["host", "device"] = "host"  # how device frames travel
     host_kernels: Literal["auto", "numba", "numpy"] = "auto"
     device_kernels: Literal["auto", "triton", "torch"] = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -89,7 +102,8 @@ class PluginSettings:
 
     def describe(self) -> str:
         """One line for the log: what the plugin's handlers are built with."""
-        return (f"codec {self.codec or 'by device'}, host kernels {self.host_kernels}, device "
+        return (f"codec {self.codec or 'by device'}, carrier {self.carrier}, host kernels "
+                f"{self.host_kernels}, device "
                 f"kernels {self.device_kernels}, timeout {self.timeout_s:g} s, silent after "
                 f"{self.silent_s:g} s, semantics "
                 f"{'twin of ' + self.emulate if self.emulate else 'the backend'}s, dumps "
@@ -123,6 +137,7 @@ def settings_from_env(env: Mapping[str, str] | None = None,
     (PPSYNC_EMULATE is refused where there is one)."""
     env = os.environ if env is None else env
     codec = _one_of(env, ENV_CODEC, CODECS)
+    carrier = _one_of(env, ENV_CARRIER, tuple(c.name for c in CARRIERS)) or "host"
     host_kernels = _one_of(env, ENV_HOST_KERNELS, HOST_KERNELS) or "auto"
     device_kernels = _one_of(env, ENV_DEVICE_KERNELS, DEVICE_KERNELS) or "auto"
     bounds = bounds_from_env(env)
@@ -146,6 +161,7 @@ def settings_from_env(env: Mapping[str, str] | None = None,
         check_dump_dir(dump_dir, DUMP_DIR_ENV)
     return PluginSettings(
         codec=cast(Literal["host", "device"] | None, codec),
+        carrier=cast(Literal["host", "device"], carrier),
         host_kernels=cast(Literal["auto", "numba", "numpy"], host_kernels),
         device_kernels=cast(Literal["auto", "triton", "torch"], device_kernels),
         timeout_s=bounds.timeout_s, silent_s=bounds.silent_s,
@@ -181,7 +197,28 @@ def check_twin(config: SyncConfig, emulate: str, device: torch.device) -> None:
     if device.type != "cpu":
         raise ConfigError(f"emulate = {emulate!r} runs the CPU twin on CPU tensors; device = "
                           f"{device} (on a GPU the real backend runs)")
-    check_frames(config, StreamOrdered(emulate), f"gloo emulating {emulate}")
+    carried = StreamOrdered(emulate) if config.carrier == "device" else HostCompleted()
+    check_frames(config, carried, f"gloo emulating {emulate}")
+
+
+def handler_path(config: SyncConfig, device: torch.device, pp_group: dist.ProcessGroup,
+                 pp_groups: Sequence[Sequence[int]] | None,
+                 board: FailureBoard | Literal["group"] | None, emulate: str | None,
+                 names: CallNames) -> TokenPath:
+    """A handler's token path: its token group made among ``pp_groups``
+    (None: vLLM's, strided) on the backend its frames take. The device
+    codec's frames live on the engine's device and travel by their carrier
+    (gloo through pinned memory, or the device's backend: nccl on CUDA,
+    xccl on XPU); host frames go over gloo. With ``emulate``, its twin."""
+    if emulate is not None:  # before any group is made
+        check_twin(config, emulate, device)
+    backend, platform = frames_home(config.codec, config.carrier, platform_for(device))
+    if pp_groups is None:
+        pp_groups = strided_groups(dist.get_world_size(), dist.get_process_group_ranks(pp_group))
+    tokens = token_group_among(pp_group, pp_groups, timeout_s=config.timeout_s, backend=backend)
+    if emulate is not None:  # the same completion choice as every path's
+        emulate_group(tokens, emulate, carrier=config.carrier)
+    return TokenPath(config, tokens, board=board, names=names, platform=platform)
 
 
 _read: tuple[tuple[str, ...], PluginSettings] | None = None

@@ -42,6 +42,7 @@ class PPHandler034Cpu(PPHandler023):
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
+        carrier: Literal["host", "device"] = "host",
         host_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
@@ -49,6 +50,6 @@ class PPHandler034Cpu(PPHandler023):
     ) -> None:
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
                          timeout_s=timeout_s, silent_s=silent_s, interface=interface,
-                         board=board, codec=codec,
+                         board=board, codec=codec, carrier=carrier,
                          host_kernels=host_kernels, device_kernels=device_kernels,
                          pp_groups=pp_groups, emulate=emulate)

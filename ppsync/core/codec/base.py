@@ -26,6 +26,7 @@ from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.facts import BatchFacts
+from ppsync.core.wire.backends import carried_by
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform
 from ppsync.errors import ConfigError
@@ -112,6 +113,19 @@ class StepCodec(Protocol):
     def reuse(self, buf: torch.Tensor) -> None:
         """``buf``'s transfer completed and nothing reads it any more."""
 
+    def pump(self, wait: bool = False) -> None:
+        """Issue the frames that waited for their copy to pinned memory and
+        whose copy ended (the host carrier; ppsync.core.codec.carriers).
+        Called by every call of the token path and by the rank's watcher;
+        with ``wait`` (a drain at close only), first wait for those copies."""
+
+    def hurry(self) -> bool:
+        """Whether a frame waits for its copy (its watcher then looks often)."""
+
+    def on_deferred(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever a frame starts to wait for its copy (the
+        rank's watcher then pumps until it goes)."""
+
     def close(self) -> None:
         """The path closed: nothing is issued or released any more."""
 
@@ -128,17 +142,22 @@ def default_codec(device: torch.device) -> Literal["host", "device"]:
     return "host" if device.type == "cpu" else "device"
 
 
-def frames_home(codec: str, platform: Platform) -> tuple[str, Platform | None]:
+def frames_home(codec: str, carrier: str, platform: Platform) -> tuple[str, Platform | None]:
     """(the token group's backend, the platform a token path takes; None:
-    the CPU's) for frames of ``codec`` in an engine on ``platform``."""
+    the CPU's) for frames of ``codec`` carried by ``carrier`` in an engine
+    on ``platform`` (ppsync.core.wire.backends.carried_by)."""
     if frames_on_device(codec):
-        return platform.backend, platform
+        return carried_by(carrier, platform.name), platform
     return "gloo", None
 
 
 def check_frames(config: SyncConfig, completion: Completion, backend: str) -> None:
     """ConfigError unless a group of ``completion`` (``backend``) can carry
     ``config``'s frames."""
+    if completion.device_only and frames_on_device(config.codec) and config.carrier == "host":
+        raise ConfigError(f"carrier = 'host' sends frames over gloo from pinned host memory; "
+                          f"the token group ({backend}, {completion.name}) takes device "
+                          "tensors only: make the token group gloo, or use carrier = 'device'")
     if completion.device_only and not frames_on_device(config.codec):
         raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
                           f"group ({backend}, {completion.name}) takes device tensors "

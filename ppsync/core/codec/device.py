@@ -40,7 +40,9 @@ verdict said something is wrong.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec.base import Issue, StepDrafts, Wait
+from ppsync.core.codec.carriers import Carrier, carrier_for
 from ppsync.core.codec.cpu_kernels import cpu_kernels_for
 from ppsync.core.codec.device_kernels import DeviceKernels, Outputs, device_kernels_for
 from ppsync.core.codec.records import PendingStep, PreparedStep
@@ -100,6 +103,7 @@ class Unread:
     frame: FrameView
     expect_drafts: bool | None = None
     tokens_w: int = 0  # sent: the tokens' width, num_sampled's bound (as the host codec's)
+    wire: torch.Tensor | None = None  # received by the host carrier: its pinned buffer
 
 
 class DeviceCodec:
@@ -119,6 +123,8 @@ class DeviceCodec:
         """The frames' per-step device work (config.device_kernels)."""
         self.device_kernels_name: str = self.device_kernels.name
         self.buffers = self.device_frames.buffers
+        self.carrier: Carrier = carrier_for(config.carrier, platform, self.frames)
+        """How the frames travel (ppsync.core.codec.carriers), chosen once."""
         self.side = platform.new_stream()
         self.completion = completion
         """The token group's semantics: how the side stream is ordered after
@@ -134,6 +140,8 @@ class DeviceCodec:
         self._stages: dict[int, HostStage] = {}  # by id of the host tensor
         self._holds: dict[int, int] = {}  # sent frames: uses left before the pool takes them
         self.unread: deque[Unread] = deque()
+        self._copying: deque[tuple[StepEvent, torch.Tensor]] = deque()
+        """Sent frames the host carrier's copy still reads, with its event (in order)."""
 
     def _host(self) -> HostStage:
         if self._free_stages:
@@ -152,10 +160,25 @@ class DeviceCodec:
         """The side stream is no longer used (a stand-in stream's thread ends)."""
         self.platform.close_stream(self.side)
 
+    def pump(self, wait: bool = False) -> None:
+        """Issue the frames whose copies to pinned memory ended (the host
+        carrier); with ``wait``, at close, once they ended."""
+        self.carrier.pump(wait)
+
+    def hurry(self) -> bool:
+        return self.carrier.hurry()
+
+    def on_deferred(self, wake: Callable[[], None]) -> None:
+        self.carrier.wake = wake
+
     def reuse(self, buf: torch.Tensor) -> None:
-        """``buf``'s transfer completed: a sent frame returns to the pool once
-        its verdict was read too; a skipped receive's at once."""
-        self._drop(buf)
+        """``buf``'s transfer completed: the carrier's own pinned buffer goes
+        back to it; a sent device frame to the pool once its verdict was read
+        too; a skipped receive's at once."""
+        if self.carrier.owns(buf):
+            self.carrier.give(buf, None)
+        else:
+            self._drop(buf)
 
     def _drop(self, buf: torch.Tensor) -> None:
         left = self._holds.pop(id(buf), 1) - 1
@@ -166,7 +189,14 @@ class DeviceCodec:
 
     def settle(self, all_: bool = False) -> None:
         """Read the verdicts of steps whose event completed (all of them with
-        ``all_``, after a drain); raise the first bad one's error."""
+        ``all_``, after a drain); raise the first bad one's error. Sent
+        frames whose copy to pinned memory ended go back to the pool."""
+        copying = self._copying
+        while copying and (all_ or copying[0][0].query()):
+            copied, buf = copying.popleft()
+            if all_:
+                copied.synchronize()  # at close only
+            self._drop(buf)
         while self.unread and (all_ or self.unread[0].event.query()):
             u = self.unread.popleft()
             if all_:
@@ -181,6 +211,8 @@ class DeviceCodec:
                 self._drop(u.buf)
             else:
                 self.buffers.give(u.buf)  # released: the kernels read it out
+                if u.wire is not None:  # its copy to the device came before the event
+                    self.carrier.give(u.wire, None)
 
     # -- last rank --------------------------------------------------------
     def prepare(
@@ -250,13 +282,14 @@ class DeviceCodec:
         # the verdict is ready once the current stream ran this far; it does
         # not wait for the transfer (whose end returns the buffer: reuse())
         event = p.record_event(main)
-        p.wait_stream(self.side, main)  # the frame is packed
-        with p.use(self.side):
-            p.before_send(main)
-            work = issue(buf)
-        self._holds[id(buf)] = 2  # its transfer, and its verdict
+        wire, work, read_out = self.carrier.send(p, main, self.side, buf, frame.num_reqs,
+                                                 issue)
+        self._holds[id(buf)] = 2  # its transfer (or its copy to pinned memory), and its verdict
+        if wire is not buf:  # copied out: the copy's end frees it, the transfer reads ``wire``
+            assert read_out is not None
+            self._copying.append((read_out, buf))
         self.unread.append(Unread(True, frame.seq, event, stage, buf, frame, tokens_w=w))
-        return buf, work, flags, 0
+        return wire, work, flags, 0
 
     def _sent_error(self, u: Unread) -> BatchError:
         frame_np = u.buf.cpu().numpy()  # error path only
@@ -274,11 +307,9 @@ class DeviceCodec:
         stage = self._host()
         w = frame.width(lay)  # this rank's view: what the frame must say
         self.device_frames.stage(stage.np, frame, 0, value_bounds(w, lay.num_drafts, w))
-        p.wait_stream(self.side, p.current_stream())
-        with p.use(self.side):
-            buf = self.buffers.take(frame.num_reqs)
-            work = issue(buf)
-        return buf, stage.t, work
+        wire, work = self.carrier.post(p, self.side, frame.num_reqs,
+                                       lambda: self.buffers.take(frame.num_reqs), issue)
+        return wire, stage.t, work
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
                 table: torch.Tensor | None, wait: Wait, rank: int) -> ReleasedStep:
@@ -286,7 +317,7 @@ class DeviceCodec:
         on the step's event). The step's own verdict is read now if its event
         completed, else at the next call (the token path settles earlier
         steps before its ring moves)."""
-        frame, buf, work = head.frame, head.buf, head.work
+        frame, wire, work = head.frame, head.buf, head.work
         assert head.staging is not None  # post() staged this rank's view
         stage = self._stages[id(head.staging)]
         idx_np, expect_drafts = head.idx_np, head.expect_drafts
@@ -302,7 +333,7 @@ class DeviceCodec:
         # bounded: the host polls (stream-ordered) or waits (gloo) for the
         # transfer's end; a dead or silent peer raises here, named
         wait(work, frame.seq)
-        hand_drafts = K > 0 and self._has_drafts(buf, expect_drafts)  # after the wait
+        hand_drafts = K > 0 and self._has_drafts(wire, expect_drafts)  # after the wait
         # made on the main stream, which uses them (no record_stream)
         out = Outputs(torch.empty((n, frame.width(lay)), dtype=torch.int64, device=dev),
                       torch.empty((2, n), dtype=torch.int32, device=dev),
@@ -311,7 +342,7 @@ class DeviceCodec:
                       else None)
         release_table = table if hand_drafts else None
 
-        def check_release() -> None:
+        def check_release(buf: torch.Tensor) -> None:  # the host carrier copied it here
             self._stage_dev.copy_(stage.t, non_blocking=True)
             self.device_kernels.release(buf, self._stage_dev, n, expect_drafts, out,
                                         release_table, nk, self._verdict_dev)
@@ -320,11 +351,13 @@ class DeviceCodec:
         p.wait_stream(self.side, main)  # the main stream's earlier use of their memory
         with p.use(self.side):
             self.completion.order_after(work)  # the consume: the side stream after the transfer
-            p.run_on(self.side, check_release)
+            buf = self.carrier.landed(p, self.side, wire, lambda: self.buffers.take(n))
+            p.run_on(self.side, functools.partial(check_release, buf))
             event = p.record_event(self.side)
         p.wait_event(main, event)  # the engine's stream waits here, at consume, only
         num_sampled, num_rejected = out.counts.unbind()
-        self.unread.append(Unread(False, frame.seq, event, stage, buf, frame, expect_drafts))
+        self.unread.append(Unread(False, frame.seq, event, stage, buf, frame, expect_drafts,
+                                  wire=None if buf is wire else wire))
         self.settle()
         return ReleasedStep(seq=frame.seq, sampled_tokens=out.tokens, num_sampled=num_sampled,
                             num_rejected=num_rejected, idx_mapping=out.idx_mapping,
@@ -340,7 +373,7 @@ class DeviceCodec:
         draft table is left as it was (docs/design.md section 7)."""
         if expect_drafts is not None:
             return expect_drafts
-        if self.platform.host_reads_free:
+        if self.carrier.reads_free(buf):
             return bool(buf.numpy()[_H_FLAGS] & FLAG_HAS_DRAFTS)
         return True
 

@@ -9,6 +9,8 @@ and the drafts of kept rows scattered into the engine's draft table (rule 4).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -110,6 +112,15 @@ class HostCodec:
 
     def skip(self, head: PendingStep) -> None:
         """Nothing to give back: the buffer returns once its transfer completed."""
+
+    def pump(self, wait: bool = False) -> None:
+        """Nothing waits: host frames are issued as they are packed."""
+
+    def hurry(self) -> bool:
+        return False
+
+    def on_deferred(self, wake: Callable[[], None]) -> None:
+        """Nothing waits: never called."""
 
     def close(self) -> None:
         """Nothing to end: the host codec keeps no stream."""

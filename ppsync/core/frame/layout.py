@@ -41,6 +41,7 @@ torch alike: both codecs compute it from the weights built here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import IntEnum
 
@@ -279,10 +280,13 @@ class BufferPool:
     rank; docs/measured.md). Exact-wire frames vary in size: not kept."""
 
     def __init__(self, layout: FrameLayout, device: torch.device | None = None,
-                 keep: int = 8) -> None:
+                 keep: int = 8, alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+        """``alloc(words)``: a fresh [words] int64 buffer (default: on
+        ``device``; the host carrier's: pinned host memory)."""
         self.layout = layout
         self.device = device
         self.keep = 0 if layout.exact else keep
+        self._alloc = alloc
         self._free: list[torch.Tensor] = []
 
     def take(self, num_reqs: int) -> torch.Tensor:
@@ -290,6 +294,8 @@ class BufferPool:
         words = self.layout.words(num_reqs)
         if self._free and self._free[-1].shape[0] == words:
             return self._free.pop()
+        if self._alloc is not None:
+            return self._alloc(words)
         return torch.empty(words, dtype=torch.int64, device=self.device)
 
     def give(self, buf: torch.Tensor) -> None:

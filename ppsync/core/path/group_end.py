@@ -12,7 +12,6 @@ which codec it has.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -110,13 +109,13 @@ class GroupEnd:
         self.seq = 0  # frames issued on this group so far
         self.steps = 0  # post/publish calls so far (the subclass's steps)
         self._inflight = InFlight(config.depth)
-        self._closed = False
+        self._closed = self._serving = False  # serving: its codec is built (after its watcher)
         self._last_issued: tuple[int, dist.Work] | None = None
         self.handshake: Handshake | None = None
         self.on_tick: Callable[[], None] | None = None
         """Called by the watcher each round while no engine call runs (the
         vLLM adapter sends a step it held for drafts that did not come)."""
-        others = [r for r in group_ranks if r != self.global_rank]
+        self._others = others = [r for r in group_ranks if r != self.global_rank]
         self.watcher = RankWatcher(self, board=self.board, me=self.global_rank,
                                    ranks=group_ranks, peers=others if self.is_last else [self.src],
                                    completion=self.completion, platform=self.platform,
@@ -147,6 +146,8 @@ class GroupEnd:
                 config, self.platform, completion=self.completion, backend=backend,
                 rank=self.rank, src=self.src)
             """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
+            self.codec.on_deferred(self.watcher.poke)
+            self._serving = True
             self.watcher.starting("configuration handshake")
             # beating before joining: a peer that reads this rank's beat after
             # the handshake knows it is this run's (ppsync.core.wire.heartbeat)
@@ -203,8 +204,7 @@ class GroupEnd:
         or silent: then ``never_arrived`` names the absent ones); a rank
         that beats is starting (compiling its kernels, loading a model) and
         is waited for, with a log line at growing intervals."""
-        what = f"rank {self.rank}: configuration handshake"
-        others = [r for r in self.group_ranks if r != self.global_rank]
+        what, others = f"rank {self.rank}: configuration handshake", self._others
         view = self.watcher.peer_view
         return wait_slices(what, timeout_s=self.config.timeout_s, watch=self.watcher,
                            peers=others,
@@ -222,11 +222,8 @@ class GroupEnd:
 
     def _issue(self, buf: torch.Tensor) -> dist.Work:
         clock = self._waits.clock
-        t0 = 0 if clock is None else time.thread_time_ns()
-        work = self.transport.issue(buf)
-        if clock is not None:
-            clock.issue_ns += time.thread_time_ns() - t0
-        return work
+        return (self.transport.issue(buf) if clock is None
+                else clock.timed_issue(self.transport.issue, buf))
 
     # -- the async contract (ppsync.core.path.token_path) -----------------------
 
@@ -255,6 +252,7 @@ class GroupEnd:
         if self.handshake is not None:
             raise ProtocolError(f"rank {self.rank}: token path used before its start-up "
                                 "handshake finished (finish_handshake())")
+        self.codec.pump()  # every call first sends the frames whose copies ended
 
     def require_role(self, op: str, *, last: bool) -> None:
         """Raise RoleError unless this rank is (``last``) or is not the last
@@ -314,19 +312,20 @@ class GroupEnd:
         return self.failures.final
 
     def tick(self) -> None:
-        if self.on_tick is not None and not self._closed:
+        if self._closed or not self._serving:
+            return
+        self.codec.pump()  # a frame goes even when the engine makes no further call
+        if self.on_tick is not None:
             self.on_tick()
+
+    def hurry(self) -> bool:
+        return self._serving and not self._closed and self.codec.hurry()
 
     def handshake_error(self, err: SyncTimeout) -> SyncTimeout:
         """The start-up handshake's timeout as raised (an event loop's
         wait): see :meth:`PathFailures.handshake_error
         <ppsync.core.path.failures.PathFailures.handshake_error>`."""
         return self.failures.handshake_error(err)
-
-    def leave(self, reason: str) -> None:
-        """Tell the peers that this rank left mid-run (:meth:`PathFailures.leave
-        <ppsync.core.path.failures.PathFailures.leave>`)."""
-        self.failures.leave(reason)
 
     def _checked(self, call: Callable[..., T], *args: object) -> T:
         """``call()``, with a frame check's error raised as the path's own:
@@ -364,6 +363,7 @@ class GroupEnd:
                 for pending in self.ring.pending():
                     self._waits.wait(pending.work,
                                      f"draining receive of frame {pending.frame.seq}")
+                self.codec.pump(wait=True)  # the last frames' copies, then their sends
                 self._inflight.drain(self._waits)
                 self.recorder.drained(self.steps)
                 self._checked(self.codec.settle, True)
@@ -384,7 +384,7 @@ class GroupEnd:
                 keep_until_exit(self.group)
             self.codec.close()
             if abandoned or reason is not None:
-                self.leave(reason or "closed with transfers in flight")
+                self.failures.leave(reason or "closed with transfers in flight")
             if self.board is not None:
                 self.board.rest()
 

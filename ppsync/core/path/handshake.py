@@ -22,13 +22,17 @@ from ppsync.errors import DesyncError, SyncTimeout
 from ppsync.schemas.config import SyncConfig
 
 _FIELDS = ("version", "pp_size", "max_num_reqs", "num_speculative_steps", "ring_depth",
-           "exact_wire", "device_codec", "device_kernels")
+           "exact_wire", "device_codec", "device_kernels", "carrier")
 KERNEL_SET_CODES = {"none": 0, "torch": 1, "triton": 2}
 """The ``device_kernels`` word: the device codec's kernel set by its code
 (none: host codec). A code, once given, is never reused nor renumbered: a
 rank of another ppsync release must read it as the same set; a new kernel
 set takes the next free code."""
 _KERNEL_SET_NAMES = {code: name for name, code in KERNEL_SET_CODES.items()}
+CARRIER_CODES = {"host": 1, "device": 2}
+"""The ``carrier`` word: the device codec's carrier (0: the host codec,
+whose frames are host frames either way); codes are never reused."""
+_CARRIER_NAMES = {code: name for name, code in CARRIER_CODES.items()}
 
 
 def config_words(config: SyncConfig, device_kernels: str = "none") -> list[int]:
@@ -36,7 +40,8 @@ def config_words(config: SyncConfig, device_kernels: str = "none") -> list[int]:
     ``device_kernels``: the kernel set this rank's device codec chose."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
             config.num_speculative_steps, config.depth, int(config.wire == "exact"),
-            int(frames_on_device(config.codec)), KERNEL_SET_CODES[device_kernels]]
+            int(frames_on_device(config.codec)), KERNEL_SET_CODES[device_kernels],
+            CARRIER_CODES[config.carrier] if frames_on_device(config.codec) else 0]
 
 
 class Handshake:
@@ -108,4 +113,6 @@ def _word(field: str, value: int) -> str:
     """A handshake word as a message shows it (the kernel set by name)."""
     if field == "device_kernels" and value in _KERNEL_SET_NAMES:
         return _KERNEL_SET_NAMES[value]
+    if field == "carrier" and value in _CARRIER_NAMES:
+        return _CARRIER_NAMES[value]
     return str(value)

@@ -32,9 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ppsync.core.wire.backends import BACKENDS, device_backend
 from ppsync.errors import ConfigError
 
-PLATFORMS = ("cpu", "cuda", "xpu")
+PLATFORMS = tuple(b.device_type for b in BACKENDS)  # cpu, cuda, xpu
 
 
 class StepEvent(Protocol):
@@ -74,7 +75,6 @@ class Platform:
     """CPU: gloo, no streams, eager ops. The base of the device platforms."""
 
     name = "cpu"
-    backend = "gloo"
     ring_depth_hint: int | None = None
     """The ring depth the platform's engines use (None: pp_size)."""
     host_reads_free = True
@@ -83,6 +83,12 @@ class Platform:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    @property
+    def backend(self) -> str:
+        """The collective backend of this platform's device
+        (ppsync.core.wire.backends)."""
+        return device_backend(self.name).name
 
     @property
     def has_streams(self) -> bool:
@@ -188,7 +194,6 @@ class _AcceleratorPlatform(Platform):
 
 class CudaPlatform(_AcceleratorPlatform):
     name = "cuda"
-    backend = "nccl"
 
     def capture_safe(self) -> AbstractContextManager[object]:
         # An event query from another thread while the engine's thread
@@ -199,7 +204,6 @@ class CudaPlatform(_AcceleratorPlatform):
 
 class XpuPlatform(_AcceleratorPlatform):
     name = "xpu"
-    backend = "xccl"
     ring_depth_hint = 1
 
     def before_send(self, main: Any) -> None:

@@ -47,12 +47,17 @@ from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.heartbeat import BEAT_S, LOOK_S, Activity, Peers
 from ppsync.core.wire.platform import Platform
 from ppsync.core.wire.teardown import native_call
+from ppsync.core.wire.transport import has_future
 from ppsync.errors import PPSyncError, SyncTimeout
 
 log = logging.getLogger("ppsync")
 
 STOP_S = 2.0
 """Longest :meth:`RankWatcher.stop` waits for the thread."""
+HURRY_S = 0.002
+"""The watcher's round while a frame waits for its copy to pinned memory
+(the host carrier): the copy takes microseconds on a device, so an idle
+engine's frame goes within about this much of its copy."""
 DEPENDS_S = 1.0
 """A transfer pending this long (or a wait under way) means the rank now
 depends on its peers: a notice on the board or a silent rank then fails its
@@ -77,8 +82,13 @@ class Watched(Protocol):
         """The path's failure, once it failed."""
 
     def tick(self) -> None:
-        """Called each round while no engine call runs (the vLLM adapter
-        sends a step it held for drafts that did not come)."""
+        """Called each round while no engine call runs (frames whose copy
+        to pinned memory ended are sent; the vLLM adapter sends a step it
+        held for drafts that did not come)."""
+
+    def hurry(self) -> bool:
+        """Whether something waits for the next round (a frame for its copy:
+        the rounds then come every HURRY_S)."""
 
 
 class RankWatcher:
@@ -114,8 +124,8 @@ class RankWatcher:
         self._acted = False
         self._first_seen: dict[int, tuple[dist.Work, float]] = {}  # id -> (work, when seen)
         self._wake = threading.Condition()
-        self._poked = False  # a wait began: read the board at once
         self._beat_now = False  # the start-up phase changed: beat at once
+        self._poked = False  # poke(): a round at once
         self.first_beat = threading.Event()
         """Set once this rank's first beat was published (or there is no board)."""
         self._stopped = False
@@ -134,7 +144,8 @@ class RankWatcher:
             self._thread.join(STOP_S)
 
     def poke(self) -> None:
-        """Look now (a wait began)."""
+        """Run a round now (a frame waits for its copy: the rounds then come
+        every HURRY_S until it went)."""
         with self._wake:
             self._poked = True
             self._wake.notify_all()
@@ -150,9 +161,9 @@ class RankWatcher:
     # -- what a wait asks (ppsync.core.wire.waits.WaitWatch) -------------------
 
     def begin(self, what: str) -> int:
-        token = self.activity.waiting(what)
-        self.poke()
-        return token
+        # no wake-up: most waits end within a slice; a long one is seen at
+        # the watcher's next round (at most a beat away)
+        return self.activity.waiting(what)
 
     def end(self, token: int) -> None:
         self.activity.waited(token)
@@ -196,33 +207,39 @@ class RankWatcher:
     def _run(self) -> None:
         self.platform.enter_thread()  # before any device call: the engine's device
         next_beat = next_look = 0.0
-        was_busy = False
         while True:
             with self._wake:
                 if self._stopped:
                     return
-                poked, self._poked = self._poked, False
                 beat_now, self._beat_now = self._beat_now, False
+                self._poked = False
             now = self.clock()
-            if self.board is not None and (now >= next_beat or beat_now):
-                self.board.beat(self.activity.beat(self.watched.step_count()).encode())
-                next_beat = now + BEAT_S
-            self.first_beat.set()
-            with native_call():  # queries: the process's exit waits for them
-                pending_s = self._look_at_works(now)
-            waiting = self.activity.waiting_now()
-            period = LOOK_S if pending_s is not None or waiting else BEAT_S
-            depends = waiting or (pending_s is not None and pending_s >= DEPENDS_S)
-            if self.board is not None and (now >= next_look or poked or (depends and not was_busy)):
-                next_look = now + period
-                self._read_board(depends)
-            was_busy = depends
-            self._round()
+            period = BEAT_S
+            try:  # one bad round must not end the rank's liveness
+                if self.board is not None and (now >= next_beat or beat_now):
+                    self.board.beat(self.activity.beat(self.watched.step_count()).encode())
+                    next_beat = now + BEAT_S
+                self.first_beat.set()
+                with native_call():  # queries: the process's exit waits for them
+                    pending_s = self._look_at_works(now)
+                waiting = self.activity.waiting_now()
+                period = LOOK_S if pending_s is not None or waiting else BEAT_S
+                depends = waiting or (pending_s is not None and pending_s >= DEPENDS_S)
+                if self.board is not None and now >= next_look:
+                    next_look = now + period
+                    self._read_board(depends)
+                self._round()
+                hurry = self.watched.hurry()
+            except Exception:
+                log.exception("ppsync: rank %d: the watcher's round failed", self.me)
+                hurry = False
             with self._wake:
                 if self._stopped:
                     return
                 due = min(next_beat, next_look) if self.board is not None else now + period
-                if not (self._poked or self._beat_now):
+                if hurry:
+                    due = min(due, now + HURRY_S)
+                if not (self._beat_now or self._poked):
                     self._wake.wait(max(0.0, due - self.clock()))
 
     def _look_at_works(self, now: float) -> float | None:
@@ -237,7 +254,9 @@ class RankWatcher:
                     first = self._first_seen.get(id(work))
                     seen[id(work)] = (work, now) if first is None or first[0] is not work \
                         else first
-                elif bad is None and not well(work):
+                elif bad is None and has_future(work) and not well(work):
+                    # a work without a future (gloo's send, recv: SGLang's) is
+                    # judged by its owner's one wait, never waited here again
                     bad = work
         self._first_seen = seen
         oldest = None if not seen else now - min(t for _, t in seen.values())

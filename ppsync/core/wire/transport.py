@@ -11,6 +11,8 @@ RuntimeError or an endless wait.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,14 @@ class TransportClock:
 
     def total(self) -> int:
         return self.issue_ns + self.wait_ns
+
+    def timed_issue(self, issue: Callable[[torch.Tensor], dist.Work],
+                    buf: torch.Tensor) -> dist.Work:
+        """``issue(buf)``, its CPU time added to :attr:`issue_ns`."""
+        t0 = time.thread_time_ns()
+        work = issue(buf)
+        self.issue_ns += time.thread_time_ns() - t0
+        return work
 
 
 class Broadcaster:
@@ -111,6 +121,18 @@ def _future(work: dist.Work) -> torch.futures.Future[object] | None:
         return None
 
 
+class DeferredWork(dist.Work):
+    """A transfer queued behind device work and not issued yet (the host
+    carrier's send waiting for its copy to pinned memory:
+    ppsync.core.codec.carriers). Waiting on one while it is not issued would
+    wait on the device: the in-flight bound never does (its buffers are the
+    carrier's, bounded by how far the host runs ahead of the device)."""
+
+    @property
+    def issued(self) -> bool:
+        raise NotImplementedError
+
+
 def has_ended(work: dist.Work) -> bool:
     """Whether ``work`` has ended (completed or failed), judged by its future.
 
@@ -137,9 +159,17 @@ def ended_well(work: dist.Work) -> bool:
     return True
 
 
+def has_future(work: dist.Work) -> bool:
+    """Whether ``work`` has a future (gloo's send and recv have none)."""
+    return _future(work) is not None
+
+
 def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost.
-    Never blocks once :func:`has_ended` says the work ended. gloo's rule (a
+    Never blocks once :func:`has_ended` says the work ended. A work without
+    a future (gloo's send and recv) is waited once, by its owner: a second
+    ``wait()`` on a finished gloo recv waits for another message, and its
+    timeout closes every connection of the group. gloo's rule (a
     future done = the transfer done): a token path asks its completion
     semantics (ppsync.core.wire.completion), which use this on gloo."""
     try:

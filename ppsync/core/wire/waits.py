@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ppsync.core.wire.board import FailureBoard, Relayed, kind_of, verdict
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.heartbeat import Peers
-from ppsync.core.wire.transport import TransportClock
+from ppsync.core.wire.transport import DeferredWork, TransportClock
 from ppsync.errors import DesyncError, PeerLost, PPSyncError, SyncTimeout
 
 SLICE_S = 0.25
@@ -203,9 +203,15 @@ class InFlight:
         return [w for _, w in list(self._works)]
 
     def before_issue(self) -> list[dist.Work]:
-        """The works :meth:`prune` would wait on: the oldest beyond ``depth``."""
+        """The works :meth:`prune` would wait on: the oldest beyond ``depth``,
+        up to the first not issued yet (never waited on: it waits on the device)."""
         excess = len(self._works) - self.depth
-        return [w for _, w in list(self._works)[: max(0, excess)]]
+        out = []
+        for _, w in list(self._works)[: max(0, excess)]:
+            if isinstance(w, DeferredWork) and not w.issued:
+                break
+            out.append(w)
+        return out
 
     def prune(self, waits: Waits, done: Callable[[torch.Tensor, dist.Work], None]) -> None:
         """Drop completed works (``done(buf, work)`` for each); wait for the
@@ -216,6 +222,8 @@ class InFlight:
             if not ends.ended_well(work):
                 if len(works) <= self.depth and not ends.ended(work):
                     break
+                if isinstance(work, DeferredWork) and not work.issued:
+                    break  # its copy runs on the device: never waited for here
                 waits.wait(work, "earlier transfer")  # waits, or raises its failure
             works.popleft()
             done(buf, work)

@@ -28,7 +28,8 @@ __all__ = ["NGRAM_METHODS", "RunResult", "SpecFigures", "WorkerRecord", "failure
 NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's model-free proposers (prompt lookup)
 TIMED = ("receive", "broadcast", "broadcast_drafts", "get_prev_sampled_outputs")
 MULTI_SHOWN = 12  # steps listed where a row had num_sampled > 1
-PATH_FACTS = ("codec", "host_kernels", "device_kernels", "completion", "token_backend")
+PATH_FACTS = ("codec", "carrier", "host_kernels", "device_kernels", "completion",
+              "token_backend")
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ K = 2
 CPU = torch.device("cpu")
 
 
-def _config(codec: str, wire: str = "fixed") -> SyncConfig:
+def _config(codec: str, wire: str = "fixed", carrier: str = "device") -> SyncConfig:
     return SyncConfig.build(pp_size=2, max_num_reqs=8, num_speculative_steps=K,
-                            codec=codec, wire=wire)
+                            codec=codec, wire=wire, carrier=carrier)
 
 
 def _codec(codec: str) -> StepCodec:
@@ -45,6 +45,17 @@ def test_the_host_codec_on_a_device_only_backend_is_a_config_error(backend: str)
                        rf"token group \({backend}, stream-ordered\) takes device tensors only"):
         codec_for(_config("host"), platform_for(CPU), completion=StreamOrdered(),
                   backend=backend, rank=0, src=1)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "xccl"])
+def test_the_host_carrier_on_a_device_only_backend_is_a_config_error(backend: str) -> None:
+    # its frames go over gloo from pinned memory: NCCL would take them as
+    # device pointers; refused before anything is built
+    with pytest.raises(ConfigError, match=rf"carrier = 'host' sends frames over gloo from "
+                       rf"pinned host memory; the token group \({backend}, stream-ordered\) "
+                       r"takes device tensors only"):
+        codec_for(_config("device", carrier="host"), platform_for(CPU),
+                  completion=StreamOrdered(), backend=backend, rank=0, src=1)
 
 
 def test_exact_wire_on_a_stream_ordered_group_is_a_config_error() -> None:

@@ -285,7 +285,8 @@ def test_meta_checks_do_not_read_values_but_name_the_field() -> None:
 def test_platform_is_chosen_from_the_device_and_can_be_overridden() -> None:
     assert type(platform_for(None)) is Platform
     assert platform_for("cpu").backend == "gloo"
-    assert CudaPlatform.backend == "nccl" and XpuPlatform.backend == "xccl"
+    assert CudaPlatform(torch.device("cuda", 0)).backend == "nccl"
+    assert XpuPlatform(torch.device("xpu", 0)).backend == "xccl"
     assert XpuPlatform.ring_depth_hint == 1
     with pytest.raises(ConfigError, match=r"platform = 'tpu' .* must be one of cpu, cuda, xpu"):
         platform_for("cpu", "tpu")

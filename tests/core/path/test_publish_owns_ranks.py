@@ -39,11 +39,12 @@ def _tokens(t: int) -> torch.Tensor:
     return torch.arange(N * (K + 1), dtype=torch.int64).reshape(N, K + 1) + 1000 * t
 
 
-def _rank(kernels: str, env: RankEnv) -> list[list[list[int]]]:
+def _rank(kernels: str, carrier: str, env: RankEnv) -> list[list[list[int]]]:
     config = SyncConfig.build(pp_size=2, max_num_reqs=8, num_speculative_steps=K,
-                              timeout_s=TIMEOUT_S, codec="device", device_kernels=kernels)
+                              timeout_s=TIMEOUT_S, codec="device", device_kernels=kernels,
+                              carrier=carrier)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-    emulate(group, lag_s=LAG_S)
+    emulate(group, carrier=carrier, lag_s=LAG_S)
     path = TokenPath(config, group, board=None)
     assert path.codec.device_kernels_name == kernels
     got: list[list[list[int]]] = []
@@ -79,7 +80,9 @@ def _kernel_sets() -> list[object]:
         why is not None, reason=f"Triton cannot be loaded ({why}); install ppsync[triton]"))]
 
 
+@pytest.mark.parametrize("carrier", ["device", "host"])
 @pytest.mark.parametrize("kernels", _kernel_sets())
-def test_receivers_get_what_was_published_though_the_engine_overwrote_it(kernels: str) -> None:
-    got = spawn_ranks(functools.partial(_rank, kernels), 2, timeout_s=TIMEOUT_S)[0]
+def test_receivers_get_what_was_published_though_the_engine_overwrote_it(
+        kernels: str, carrier: str) -> None:
+    got = spawn_ranks(functools.partial(_rank, kernels, carrier), 2, timeout_s=TIMEOUT_S)[0]
     assert got == [_tokens(t).tolist() for t in range(STEPS)]

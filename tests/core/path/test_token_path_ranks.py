@@ -129,6 +129,10 @@ MODE_CASES: list[tuple[int, int, int, int, WireMode, Mode]] = [
     (2, 0, 0, 8, "fixed", "twin"),
     (3, 3, 1, 8, "fixed", "twin"),
     (3, 3, 0, 64, "fixed", "twin"),
+    # the host carrier on the twin of a CUDA device: copies through pinned memory
+    (2, 0, 0, 8, "fixed", "carried"),
+    (3, 3, 1, 8, "fixed", "carried"),
+    (3, 3, 0, 64, "fixed", "carried"),
 ]
 
 

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from ppsync.core.wire.backends import backend as backend_facts
 from ppsync.core.wire.platform import Platform
 from ppsync.core.wire.teardown import bound_group_timeout, native_call
 from ppsync.core.wire.transport import Broadcaster, ended_well, has_ended, translate, wait_work
@@ -40,14 +41,14 @@ POLL_FIRST_S = 50e-6
 up to :data:`POLL_MAX_S` (a pause releases the CPU: polling never spins)."""
 POLL_MAX_S = 2e-3
 
-GLOO_TIMEOUT_MARGIN_S = 60.0
+GLOO_TIMEOUT_MARGIN_S = backend_facts("gloo").timeout_margin_s
 """A gloo token group's own timeout is ``max_pending_s`` plus this. gloo
 counts its timeout from the post and, when it passes, closes every
 connection of the group's context: a peer still waiting then sees
 "Connection closed by peer", a lost connection. ppsync's cap comes first,
 its notice goes on the failure board, and the others read it long before."""
 
-NCCL_TIMEOUT_MARGIN_S = 60.0
+NCCL_TIMEOUT_MARGIN_S = backend_facts("nccl").timeout_margin_s
 """A stream-ordered token group's own timeout is ``max_pending_s`` plus
 this: ppsync's cap (and its abort) comes first and names the fault; the
 backend's watchdog is the last resort."""
@@ -168,7 +169,7 @@ class StreamOrdered(_OwnGroup):
 
     def __init__(self, backend: str = "nccl") -> None:
         self.backend = backend
-        self.can_abort = backend in ABORTABLE
+        self.can_abort = backend_facts(backend).abortable
         """Whether the backend can abort a communicator (XCCL cannot)."""
         self.cause: PPSyncError | None = None
         """The error the group was aborted for (None: not aborted)."""
@@ -248,11 +249,6 @@ class StreamOrdered(_OwnGroup):
 
     def group_timeout_s(self, max_pending_s: float) -> float:
         return max_pending_s + NCCL_TIMEOUT_MARGIN_S
-
-
-ABORTABLE = ("nccl",)
-"""Stream-ordered backends that can abort a communicator (XCCL's
-``abortComms`` only logs that it cannot)."""
 
 
 def aborted_error(cause: PPSyncError, what: str) -> PPSyncError:

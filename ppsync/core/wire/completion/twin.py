@@ -27,6 +27,13 @@ What it reproduces, as PyTorch's ProcessGroupNCCL / ProcessGroupXCCL behave:
   from its post, terminates the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``,
   torch's default), unless the group was aborted first;
 - XCCL cannot abort (``abortComms`` only logs): its works stay pending.
+
+With the host carrier (``SyncConfig.carrier = "host"``, the default on an
+accelerator) frames do not travel on NCCL or XCCL at all: a twin group
+registered with ``carrier="host"`` is plain gloo (host-completed,
+:class:`TwinHostCarried`) under the same stand-in streams, so the device
+codec's copies to and from pinned memory are ordered as a device orders
+them.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ from typing import Any, get_args
 import torch
 import torch.distributed as dist
 
-from ppsync.core.wire.completion.base import StreamOrdered
+from ppsync.core.wire.backends import CARRIERS
+from ppsync.core.wire.backends import backend as backend_facts
+from ppsync.core.wire.completion.base import HostCompleted, StreamOrdered
 from ppsync.core.wire.completion.twin_streams import (
     HANG_S,
     STATS,
@@ -58,8 +67,8 @@ from ppsync.core.wire.transport import Broadcaster, has_ended
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import EmulatedName
 
-__all__ = ["EMULATED", "POISON", "STATS", "TwinCompleted", "TwinGroup", "TwinWork", "emulate",
-           "twin_of"]
+__all__ = ["EMULATED", "POISON", "STATS", "TwinCompleted", "TwinGroup", "TwinHostCarried",
+           "TwinWork", "emulate", "twin_of"]
 
 EMULATED: tuple[str, ...] = get_args(EmulatedName)  # the one list: ppsync.schemas.config
 """What ``--emulate`` accepts."""
@@ -78,9 +87,12 @@ class TwinGroup:
     """A gloo group registered as emulating ``backend``."""
 
     def __init__(self, group: dist.ProcessGroup, backend: str, lag_s: float,
-                 abort_hang_s: float) -> None:
+                 abort_hang_s: float, carries: bool = True) -> None:
         self.group = group
         self.backend = backend
+        self.carries = carries
+        """The frames travel on the twin of the backend (stream-ordered works);
+        False: through the host, over gloo (the host carrier)."""
         self.lag_s = lag_s
         self.abort_hang_s = abort_hang_s
         self.abort_requested = False
@@ -96,7 +108,7 @@ class TwinGroup:
     def posted(self, work: TwinWork) -> None:
         with self._lock:
             self.pending.add(work)
-            if not self._watching and self.backend == "nccl":
+            if not self._watching and backend_facts(self.backend).watchdog:
                 # a bare thread, as NCCL's watchdog is the backend's, not one
                 # of Python's threads (the suites count those)
                 self._watching = True
@@ -140,21 +152,42 @@ class TwinGroup:
 
 _TWINS: dict[int, TwinGroup] = {}  # id(group) -> its twin; groups live until exit
 
+LAG_ENV = "PPSYNC_TWIN_LAG_S"
+"""The side streams' lag where the caller gives none (an engine's handler
+emulating its own group: ``PPSYNC_EMULATE``); unset: 0."""
 
-def emulate(group: dist.ProcessGroup, backend: str = "nccl", *, lag_s: float = 0.0,
-            abort_hang_s: float = 0.0) -> None:
-    """Make a token path over ``group`` (gloo) judge and order its works as
-    ``backend``'s (one of :data:`EMULATED`). ``lag_s``: how far its side
-    streams run behind the host (each piece of work starts at least that long
-    after it was handed over), as a device behind a host that queues ahead.
+
+def _lag_from_env() -> float:
+    text = os.environ.get(LAG_ENV, "0")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{LAG_ENV} = {text!r} must be a number of seconds") from None
+
+
+def emulate(group: dist.ProcessGroup, backend: str = "nccl", *, carrier: str = "device",
+            lag_s: float | None = None, abort_hang_s: float = 0.0) -> None:
+    """Make a token path over ``group`` (gloo) run as on a device whose
+    backend is ``backend`` (one of :data:`EMULATED`): stand-in streams and
+    events; with ``carrier`` "device" its works judged and ordered as
+    ``backend``'s, with "host" as gloo's (the frames go through pinned
+    memory). ``lag_s``: how far its side streams run behind the host (each
+    piece of work starts at least that long after it was handed over), as a
+    device behind a host that queues ahead (None: :data:`LAG_ENV`'s).
     ``abort_hang_s``: how long NCCL's abort blocks (``inf``: for ever)."""
+    if lag_s is None:
+        lag_s = _lag_from_env()
     if backend not in EMULATED:
         raise ConfigError(f"emulate = {backend!r} must be one of {', '.join(EMULATED)}")
     if not 0 <= lag_s < HANG_S:
-        raise ConfigError(f"lag_s = {lag_s} must lie in [0, {HANG_S})")
+        raise ConfigError(f"lag_s = {lag_s} (or {LAG_ENV}) must lie in [0, {HANG_S})")
     if not abort_hang_s >= 0:
         raise ConfigError(f"abort_hang_s = {abort_hang_s} must be >= 0 (inf: for ever)")
-    _TWINS.setdefault(id(group), TwinGroup(group, backend, lag_s, abort_hang_s))
+    if carrier not in {c.name for c in CARRIERS}:
+        raise ConfigError(f"carrier = {carrier!r} must be one of "
+                          f"{', '.join(c.name for c in CARRIERS)}")
+    _TWINS.setdefault(id(group), TwinGroup(group, backend, lag_s, abort_hang_s,
+                                           carries=carrier == "device"))
 
 
 def twin_of(group: dist.ProcessGroup) -> TwinGroup | None:
@@ -273,3 +306,18 @@ class TwinCompleted(StreamOrdered):
         op_timeout_s = super().group_timeout_s(max_pending_s)
         self.twin.op_timeout_s = op_timeout_s
         return op_timeout_s + GLOO_AFTER_WATCHDOG_S
+
+
+class TwinHostCarried(HostCompleted):
+    """gloo's semantics on a twin group of the host carrier: the works are
+    gloo's own, the streams and events the twin's."""
+
+    def __init__(self, twin: TwinGroup) -> None:
+        self.twin = twin
+        self.name = f"host-completed (the host carrier; twin of a {twin.backend} device)"
+
+    def platform(self, platform: Platform) -> Platform:
+        if platform.device.type != "cpu":
+            raise ConfigError(f"emulate = {self.twin.backend!r} runs on CPU tensors; device = "
+                              f"{platform.device} (on a GPU the real device runs)")
+        return TwinPlatform(platform.device, self.twin.lag_s)
