@@ -139,7 +139,11 @@ gpu-wheels:
 # Where download.pytorch.org cannot be reached pip takes torch from
 # TORCH_FIND_LINKS. ppsync's run with CODEC=host|device, EMULATE=nccl|xccl (the CPU
 # twin); FAULT=kill-last|stop-last|kill-first: a worker killed or stopped mid-generate,
-# with each handler. Options: VLLM_CHECK_FLAGS='--max-tokens 16' ('--repeat 3': timing).
+# with each handler, ppsync's default bounds (a stopped rank named within silent_s + 5 s);
+# FAULT=slow-last|idle, the healthy twins that must pass with identical tokens: the last
+# worker sleeps 90 s in one step, the engine idles 180 s between its calls (SPEC=3 for
+# receives posted while it idles; VLLM_CHECK_FLAGS='--slow S' / '--idle S').
+# Options: VLLM_CHECK_FLAGS='--max-tokens 16' ('--repeat 3': timing).
 # NODES=2 (root: network namespaces): two hosts on a veth pair, vLLM's multi-node launch,
 # served over HTTP (docs/operations.md, "vLLM across hosts"); there FAULT=kill-node|
 # stop-node|cut-link, or MISMATCH=switch|codec|timeout (a host with other settings).
@@ -186,7 +190,8 @@ vllm-check: $(VLLM_STAMP)
 # Before switching SGLang's PP loop to ppsync's guard (not part of `make test`):
 # runs SGLang $(SGLANG) in $(SGLANG_VENV) at pp_size 2 on a tiny dummy Llama,
 # without and with the plugin, in the cases $(SGLANG_CASES) (docs/operations.md,
-# "SGLang check"; about 10 minutes on 2 cores). Its own venv: SGLang pins a CUDA
+# "SGLang check"; about 10 minutes on 2 cores); SGLANG_CASES=slow-last: the last stage
+# sleeps 90 s in one step, a healthy slow stage (about 6 minutes more). Its own venv: SGLang pins a CUDA
 # torch and pulls CUDA libraries (11 GB). The CPU torch is put back over it
 # (--no-deps; 8.7 GB then), torchaudio and torchcodec (CUDA-linked, unused by a
 # text model) removed, and the CPU shims of tools/sglang-cpu/ installed: a

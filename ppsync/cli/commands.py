@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from ppsync.cli.parser import PP_SIZE_ONE
+from ppsync.cli.parser import IDLE_S, PP_SIZE_ONE, SLOW_S
 from ppsync.core.codec import check_frames
 from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
 from ppsync.core.codec.device_kernels import resolve_device_kernels
@@ -37,6 +37,7 @@ from ppsync.debug.paths import check_output_file
 from ppsync.errors import ConfigError, PPSyncError, Stopped
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
+from ppsync.harness.vllm_check.healthy import HEALTHY
 from ppsync.harness.world import WorldEnv, joining
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
@@ -44,7 +45,6 @@ from ppsync.schemas.report import RunReport
 
 SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
 FAULT_MAX_TOKENS = 64  # with --fault: generate still running at the fault
-FAULT_TIMEOUT_S = 10.0  # --handler-timeout's default with --fault
 MISMATCH_TIMEOUT_S = 20.0  # with --mismatch: the start-up agreement's bound
 
 
@@ -54,10 +54,13 @@ def _vllm_check(args: argparse.Namespace) -> int:
 
     if args.hidden % 32:
         raise ConfigError(f"--hidden = {args.hidden} must be a multiple of 32 (the head size)")
-    fault = args.fault is not None
-    if fault and args.repeat > 1:
+    if args.fault is not None and args.repeat > 1:
         raise ConfigError("--fault and --repeat: one at a time (a fault run is not timed)")
     check_nodes_arguments(args)
+    check_healthy_arguments(args)
+    # a fault that ends the engine: one long generate call, under way at the fault;
+    # a healthy one (slow-last, idle) runs as the plain check does
+    fault = args.fault is not None and args.fault not in HEALTHY
     settings = tuple((name, value) for name, value in (
         ("PPSYNC_CODEC", args.codec), ("PPSYNC_CARRIER", args.carrier),
         ("PPSYNC_HOST_KERNELS", args.host_kernels),
@@ -74,9 +77,21 @@ def _vllm_check(args: argparse.Namespace) -> int:
         hidden=args.hidden, layers_per_stage=args.layers_per_stage, timeout_s=args.timeout,
         work_dir=args.work_dir, spec=args.spec, spec_method=args.spec_method,
         settings=settings, handler_timeout_s=args.handler_timeout or (
-            FAULT_TIMEOUT_S if fault else MISMATCH_TIMEOUT_S if args.mismatch else None),
-        fault=args.fault, fault_after=args.fault_after, fault_bound_s=args.fault_bound,
+            MISMATCH_TIMEOUT_S if args.mismatch else None),
+        handler_silent_s=args.handler_silent, fault=args.fault, fault_after=args.fault_after,
+        fault_bound_s=args.fault_bound, slow_s=args.slow or SLOW_S, idle_s=args.idle or IDLE_S,
         repeat=args.repeat, nodes=args.nodes, mismatch=args.mismatch, requests=args.requests))
+
+
+def check_healthy_arguments(args: argparse.Namespace) -> None:
+    """vllm-check's --slow and --idle: each with its fault; ConfigError naming the flag."""
+    for flag, value, fault in (("--slow", args.slow, "slow-last"), ("--idle", args.idle, "idle")):
+        if value is not None and args.fault != fault:
+            raise ConfigError(f"{flag} = {value:g} needs --fault {fault} (it sets that fault's "
+                              "length)")
+    if args.fault == "idle" and args.calls is not None and args.calls < 2:
+        raise ConfigError(f"--fault idle needs --calls >= 2 (it idles between generate calls); "
+                          f"--calls = {args.calls}")
 
 
 NODE_FAULTS = ("kill-node", "stop-node", "cut-link")
@@ -109,8 +124,8 @@ def _sglang_check(args: argparse.Namespace) -> int:
     from ppsync.harness.sglang_check import SglangCheckOptions, run_check
 
     return run_check(SglangCheckOptions(
-        cases=args.fault or ["none", "desync"], timeout_s=args.timeout, hang_s=args.hang,
-        max_tokens=args.max_tokens, work_dir=args.work_dir))
+        cases=args.fault or ["none", "desync"], timeout_s=args.timeout, silent_s=args.silent,
+        slow_s=args.slow, hang_s=args.hang, max_tokens=args.max_tokens, work_dir=args.work_dir))
 
 
 def _bench(args: argparse.Namespace) -> int:

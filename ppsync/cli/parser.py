@@ -26,6 +26,12 @@ from ppsync.schemas.config import (
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
+SLOW_S = 90.0
+"""vllm-check and sglang-check's slow-last: a stall well past silent_s, under
+vLLM's own bound on a step (300 s)."""
+IDLE_S = 180.0
+"""vllm-check's idle: the engine's idle between its generate calls."""
+
 DESCRIPTION = """\
 ppsync carries each step's sampled tokens (with accepted counts and drafts)
 from the last pipeline-parallel stage to every earlier one, over a dedicated
@@ -268,14 +274,28 @@ def _parser() -> argparse.ArgumentParser:
                     help="ppsync's token groups behave as NCCL's or XCCL's: the CPU twin "
                     "(PPSYNC_EMULATE; CPU only); the report shows each worker's twin counts")
     vc.add_argument("--handler-timeout", type=_seconds, default=None, metavar="S",
-                    help="ppsync's bound on every wait in its run (PPSYNC_TIMEOUT_S; none: "
-                    "the handler's default; 10 with --fault, 20 with --mismatch)")
-    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first", "kill-node",
-                                        "stop-node", "cut-link"], default=None,
+                    help="ppsync's bound on one wait for a live peer in its run "
+                    f"(PPSYNC_TIMEOUT_S; none: the handler's default, {DEFAULT_TIMEOUT_S:g}; 20 "
+                    "with --mismatch)")
+    vc.add_argument("--handler-silent", type=_seconds, default=None, metavar="S",
+                    help="how long a peer's heartbeat may stop before ppsync's run names it "
+                    f"silent (PPSYNC_SILENT_S; none: the handler's default, {DEFAULT_SILENT_S:g})")
+    vc.add_argument("--fault", choices=["kill-last", "stop-last", "kill-first", "slow-last",
+                                        "idle", "kill-node", "stop-node", "cut-link"],
+                    default=None,
                     help="one PP worker SIGKILLs (kill-) or SIGSTOPs (stop-) itself while the "
-                    "engine generates, with each handler: how each engine ended; with --nodes "
-                    "2, while the HTTP client streams: every process of host 1 SIGKILLed "
-                    "(kill-node) or SIGSTOPped (stop-node), or its veth taken down (cut-link)")
+                    "engine generates, with each handler: how each engine ended; the healthy "
+                    "twins, which must pass with identical tokens and no error: the last "
+                    "worker sleeps in one step (slow-last, --slow), the engine idles between "
+                    "its generate calls (idle, --idle); with --nodes 2, while the HTTP client "
+                    "streams: every process of host 1 SIGKILLed (kill-node) or SIGSTOPped "
+                    "(stop-node), or its veth taken down (cut-link)")
+    vc.add_argument("--slow", type=_seconds, default=None, metavar="S",
+                    help="with --fault slow-last: the last worker's sleep in one step "
+                    f"(none: {SLOW_S:g})")
+    vc.add_argument("--idle", type=_seconds, default=None, metavar="S",
+                    help="with --fault idle: the engine's idle between its generate calls "
+                    f"(none: {IDLE_S:g})")
     vc.add_argument("--nodes", type=int, choices=[1, 2], default=1,
                     help="2: two hosts (network namespaces joined by a veth pair; root), "
                     "vLLM's multi-node launch (head with the API server, the other "
@@ -288,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     vc.add_argument("--requests", type=_positive, default=12,
                     help="with --nodes 2: requests in the HTTP burst")
     vc.add_argument("--fault-after", type=_positive, default=4, metavar="N",
-                    help="the faulted worker's step of its fault")
+                    help="the faulted worker's step of its fault (slow-last: its model step)")
     vc.add_argument("--fault-bound", type=_seconds, default=120.0, metavar="S",
                     help="how long after the fault a run is watched before it is called hung")
     vc.add_argument("--seed", type=_non_negative, default=0,
@@ -308,13 +328,21 @@ def _parser() -> argparse.ArgumentParser:
                         "stopped last stage (0 pass, 1 fail, 2 no SGLang here: "
                         "`make sglang-check`)")
     sc.add_argument("--fault", action="append", default=None,
-                    choices=("none", "kill-last", "stop-last", "desync"), metavar="CASE",
+                    choices=("none", "kill-last", "stop-last", "slow-last", "desync"),
+                    metavar="CASE",
                     help="a case to run: none (tokens and the guard), kill-last, stop-last "
                     "(SIGKILL / SIGSTOP the last stage's scheduler after a first generate), "
-                    "desync (a stage's view perturbed); repeat for more (default: none and "
-                    "desync)")
-    sc.add_argument("--timeout", type=_seconds, default=10.0, metavar="S",
-                    help="the guard's PPSYNC_TIMEOUT_S in the guarded runs")
+                    "slow-last (the last stage sleeps --slow s in one step: a healthy slow "
+                    "stage, never a fault), desync (a stage's view perturbed); repeat for more "
+                    "(default: none and desync)")
+    sc.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+                    help="the guard's PPSYNC_TIMEOUT_S in the guarded runs (none: unset, "
+                    f"ppsync's default, {DEFAULT_TIMEOUT_S:g})")
+    sc.add_argument("--silent", type=_seconds, default=None, metavar="S",
+                    help="the guard's PPSYNC_SILENT_S in the guarded runs (none: unset, "
+                    f"ppsync's default, {DEFAULT_SILENT_S:g})")
+    sc.add_argument("--slow", type=_seconds, default=SLOW_S, metavar="S",
+                    help="slow-last: the last stage's sleep in one step")
     sc.add_argument("--hang", type=_seconds, default=60.0, metavar="S",
                     help="how long SGLang alone may go on after a fault before it is "
                     "reported still hung")

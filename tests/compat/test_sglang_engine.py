@@ -35,9 +35,12 @@ pytestmark = [
 ]
 
 
+SILENT_S = 3.0  # the guard's PPSYNC_SILENT_S here (timeout_s: ppsync's default)
+
+
 def _options(tmp_path: Path, **kw: object) -> SglangCheckOptions:
     assert PYTHON is not None
-    opts = SglangCheckOptions(python=PYTHON, work_dir=tmp_path, timeout_s=10.0, hang_s=20.0,
+    opts = SglangCheckOptions(python=PYTHON, work_dir=tmp_path, silent_s=SILENT_S, hang_s=20.0,
                               run_limit_s=400.0)
     for k, v in kw.items():
         setattr(opts, k, v)
@@ -58,7 +61,14 @@ def test_a_perturbed_view_is_named_and_unseen_without_the_check(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("fault", ["kill-last", "stop-last"])
-def test_a_lost_last_stage_is_named_within_the_timeout(tmp_path: Path, fault: str) -> None:
+def test_a_lost_or_stopped_last_stage_is_named_within_its_bound(tmp_path: Path,
+                                                                fault: str) -> None:
     verdict, report = run_case(fault, _options(tmp_path))
     assert verdict.passed, report
     assert "PP stage 1 (global rank 1)" in report
+
+
+def test_a_last_stage_slow_past_silent_s_in_one_step_is_no_fault(tmp_path: Path) -> None:
+    verdict, report = run_case("slow-last", _options(tmp_path, slow_s=4 * SILENT_S))
+    assert verdict.passed, report
+    assert "12.0 s on stage 1" in report

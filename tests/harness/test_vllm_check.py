@@ -191,7 +191,7 @@ def test_after_import_hook_patches_the_named_module(tmp_path: Path,
     def patch(module: ModuleType) -> None:
         module.VALUE = module.VALUE + 41  # type: ignore[attr-defined]
 
-    hook = worker_hooks._AfterImport({"vc_hooked_mod": patch})
+    hook = worker_hooks.AfterImport({"vc_hooked_mod": patch})
     monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path])
     monkeypatch.delitem(sys.modules, "vc_hooked_mod", raising=False)
     import vc_hooked_mod  # type: ignore[import-not-found]

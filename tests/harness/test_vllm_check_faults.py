@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 
 from ppsync.cli import main
+from ppsync.compat.env import Bounds, bounds_from_env
 from ppsync.harness.vllm_check import check, faults, worker_hooks
 from ppsync.harness.vllm_check.faults import (
+    DEAD_S,
+    SLACK_S,
     FaultOutcome,
     fault_failures,
     fault_target,
     format_faults,
+    naming_bound_s,
     run_fault,
 )
 from ppsync.harness.vllm_check.report import (
@@ -101,7 +105,7 @@ def test_a_fault_passes_when_the_rank_is_named_in_time_and_nothing_is_left() -> 
     assert fault_failures(_outcome(ended_at=None, exited_after_s=None), 10.0) == [
         "ppsync's plugin, stop-last: the engine did not end (still hung after 60 s)"]
     assert fault_failures(_outcome(named_after_s=15.5), 10.0) == [
-        "ppsync's plugin, stop-last: PP rank 1 named only 15.5 s after the fault"]
+        "ppsync's plugin, stop-last: PP rank 1 named only 15.5 s after the fault (bound 15 s)"]
     assert fault_failures(_outcome(named=0), 10.0) == [
         "ppsync's plugin, stop-last: the faulted PP rank 1 was not named (PP rank 0 was)"]
     assert fault_failures(_outcome(left=("7 T python",)), 10.0) == [
@@ -112,7 +116,29 @@ def test_a_fault_passes_when_the_rank_is_named_in_time_and_nothing_is_left() -> 
     assert "the caller of generate saw: vllm.v1.engine.exceptions.EngineDeadError: EngineCore " \
            "encountered an issue." in report
     assert "PP rank named: PP rank 1, by PP rank 0's SyncTimeout (ppsync), 7.5 s after" in report
-    assert report.splitlines()[-1].startswith("PASS")
+    assert report.splitlines()[-1].startswith(
+        "PASS: with ppsync's handler every fault named the faulted PP rank within its bound "
+        "(stop-last: silent_s 10 + 5 = 15 s)")
+
+
+def test_the_bound_to_name_a_faulted_rank_follows_the_failure_model() -> None:
+    """A stopped rank is silent: named within silent_s (the one the run got,
+    15 s by default) + SLACK_S; a killed one is dead: about at once. No
+    bound counts timeout_s, the bound on a wait for a live peer."""
+    assert naming_bound_s("stop-last", 15.0) == 15.0
+    assert naming_bound_s("kill-last", 15.0) == naming_bound_s("kill-first", 4.0) == DEAD_S
+    # the defaults: 15 + 5 s for a stopped rank
+    assert fault_failures(_outcome(named_after_s=19.9), 15.0) == []
+    assert fault_failures(_outcome(named_after_s=20.5), 15.0) == [
+        "ppsync's plugin, stop-last: PP rank 1 named only 20.5 s after the fault (bound 20 s)"]
+    killed = _outcome(fault="kill-first", rank=0, named=0, named_after_s=DEAD_S + SLACK_S - 0.1)
+    assert fault_failures(killed, 15.0) == []
+    late = _outcome(fault="kill-first", rank=0, named=0, named_after_s=7.5)
+    assert fault_failures(late, 15.0) == [
+        "ppsync's plugin, kill-first: PP rank 0 named only 7.5 s after the fault (bound 6 s)"]
+    report = format_faults([killed, _outcome()], 2, 15.0)
+    assert "within its bound (kill-first: dead 1 + 5 = 6 s; stop-last: silent_s 15 + 5 = 20 s)" \
+        in report.splitlines()[-1]
 
 
 STANDIN_ENGINE = '''\
@@ -172,9 +198,9 @@ def test_the_fault_watch_is_bounded_and_kills_every_process(
 FAULTING = '''\
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from ppsync.harness.vllm_check import worker_hooks
+from ppsync.harness.vllm_check import worker_faults
 out = open(sys.argv[2], "w", buffering=1)
-fault = worker_hooks._fault_for(1, "broadcast", out)
+fault = worker_faults.fault_for(1, "broadcast", out)
 for i in range(5):
     fault("receive")
     fault("broadcast")
@@ -227,11 +253,57 @@ def test_settings_flags_reach_ppsyncs_run_and_bad_combinations_exit_2(
                  "stop-last"]) == 0
     (opts,) = seen
     assert opts.settings == (("PPSYNC_CODEC", "device"), ("PPSYNC_EMULATE", "nccl"))
-    assert (opts.fault, opts.calls, opts.handler_timeout_s, opts.max_tokens) == (
-        "stop-last", 1, 10.0, 64)
+    # a fault run keeps ppsync's default bounds: the verdict reads silent_s from them
+    assert (opts.fault, opts.calls, opts.handler_timeout_s, opts.handler_silent_s,
+            opts.max_tokens) == ("stop-last", 1, None, None, 64)
     env = check._base_env(tmp_path, opts, standin=False, cpu=True)
-    assert (env["PPSYNC_CODEC"], env["PPSYNC_EMULATE"], env["PPSYNC_TIMEOUT_S"]) == (
-        "device", "nccl", "10")
+    assert (env["PPSYNC_CODEC"], env["PPSYNC_EMULATE"]) == ("device", "nccl")
+    assert "PPSYNC_TIMEOUT_S" not in env and "PPSYNC_SILENT_S" not in env
+    assert bounds_from_env(env) == Bounds()
+    assert main(["vllm-check", "--fault", "stop-last", "--handler-silent", "4",
+                 "--handler-timeout", "30"]) == 0
+    env = check._base_env(tmp_path, seen[-1], standin=False, cpu=True)
+    assert (env["PPSYNC_SILENT_S"], env["PPSYNC_TIMEOUT_S"]) == ("4", "30")
+    assert bounds_from_env(env) == Bounds(timeout_s=30.0, silent_s=4.0)
     assert main(["vllm-check", "--codec", "host", "--emulate", "nccl"]) == 2
     assert "PPSYNC_EMULATE = 'nccl' needs the device codec" in capsys.readouterr().err
     assert main(["vllm-check", "--fault", "kill-last", "--repeat", "2"]) == 2
+
+
+@pytest.mark.parametrize(("silent", "status"), [(None, 0), ("10", 1)])
+def test_the_fault_check_judges_by_the_silent_s_ppsyncs_run_gets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    silent: str | None, status: int
+) -> None:
+    """A stopped rank named 18 s after the fault: within the default
+    silent_s 15 + 5 s; not within PPSYNC_SILENT_S = 10 (+ 5)."""
+    def fake_run_fault(label: str, ppsync: bool, *args: object) -> FaultOutcome:
+        o = _outcome(named_after_s=18.0)
+        return dataclasses.replace(o, run=dataclasses.replace(o.run, label=label,
+                                                              expect_ppsync=ppsync))
+
+    monkeypatch.setattr(check, "run_fault", fake_run_fault)
+    env = {} if silent is None else {"PPSYNC_SILENT_S": silent}
+    opts = check.VllmCheckOptions(fault="stop-last")
+    assert check._faults(opts, tmp_path, env, tmp_path / "spec.json") == status
+    out = capsys.readouterr().out
+    assert ("PASS" if status == 0 else
+            "PP rank 1 named only 18.0 s after the fault (bound 15 s)") in out
+
+
+def test_vllms_executor_names_a_dead_worker_when_it_logs_it(tmp_path: Path) -> None:
+    """A dead worker that only vLLM's executor named (ppsync's last rank
+    makes no further call) is named at the executor's log line (whole
+    seconds: read as the latest), not when vLLM's teardown let generate
+    raise; a line without a stamp falls back to that."""
+    stamp = time.mktime((2026, 12, 6, 14, 46, 27, 0, 0, -1))
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) ERROR 12-06 14:46:27 [multiproc_executor.py:315] Worker "
+                   "proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.\n")
+    run = RunResult("ppsync's plugin", True, (), log=str(log), ended_at=stamp + 9.5)
+    rank, by, after = faults._named(run, 0, stamp + 0.3)
+    assert (rank, by) == (0, "vLLM's executor (a worker process died)")
+    assert after is not None and abs(after - 0.7) < 1e-6
+    log.write_text("Worker proc VllmWorker-0 died unexpectedly\n")
+    rank, by, after = faults._named(run, 0, stamp + 0.3)
+    assert rank == 0 and after is not None and abs(after - 9.2) < 1e-6

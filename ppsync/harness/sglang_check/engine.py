@@ -8,11 +8,19 @@ PyTorch sampling: the CPU shims of ``make sglang-check``), generates
 greedily for the prompts (token ids: no tokenizer), and then, with a
 ``fault``, SIGKILLs or SIGSTOPs the last stage's scheduler and generates
 again. It reports each event as one line on stdout, ``EVENT_PREFIX`` and a
-JSON object: ``up``, ``stages`` (each stage's scheduler pid), ``tokens``,
-``fault``, then ``tokens`` or ``error`` for the call after the fault, and
-``shutdown``. A call that never returns reports nothing more: the check
-judges by the clock. Whether the guard runs is the environment's choice
-(``PPSYNC_SGLANG``), not this module's.
+JSON object: ``up``, ``stages`` (each stage's scheduler pid), ``generate``
+(a call begins), ``tokens``, ``fault``, then ``tokens`` or ``error`` for
+the call after the fault, and ``shutdown``. A call that never returns
+reports nothing more: the check judges by the clock. Whether the guard
+runs is the environment's choice (``PPSYNC_SGLANG``), not this module's.
+
+The fault ``slow-last`` signals nothing: ``PPSYNC_SGLANG_CHECK_SLOW=STAGE:N:
+SECONDS`` makes stage STAGE's scheduler sleep SECONDS before its N-th
+``run_batch`` (a healthy stage slow in one step: its process and its
+guard's watcher thread alive), which reports a ``slow`` event; the caller
+generates twice. SGLang starts its schedulers with ``spawn``, which runs
+this module again in each of them as ``__mp_main__``: there, and only
+there, the variable installs the stall (:func:`install_slow`).
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 EVENT_PREFIX = "PPSYNC-SGLANG-CHECK "
@@ -36,6 +46,8 @@ TINY_LLAMA: dict[str, Any] = {
 }
 """A 4-layer Llama small enough for two CPU stages; dummy weights."""
 FAULT_SIGNALS = {"kill-last": signal.SIGKILL, "stop-last": signal.SIGSTOP}
+ENV_SLOW = "PPSYNC_SGLANG_CHECK_SLOW"
+SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 def emit(event: str, **fields: object) -> None:
@@ -58,6 +70,41 @@ def stage_pids(pp_size: int) -> dict[int, int]:
             if f"scheduler_PP{stage}" in title:
                 pids[stage] = child.pid
     return pids
+
+
+def slowed_run_batch(run_batch: Callable[..., Any], stage: int, after: int,
+                     seconds: float) -> Callable[..., Any]:
+    """``Scheduler.run_batch`` that, on stage ``stage``, sleeps ``seconds``
+    before its ``after``-th call, once, and reports it (a ``slow`` event)."""
+    count = [0]
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.pp_group.rank_in_group == stage:
+            count[0] += 1
+            if count[0] == after:
+                t0 = time.monotonic()
+                time.sleep(seconds)
+                emit("slow", stage=stage, step=after, seconds=time.monotonic() - t0)
+        return run_batch(self, *args, **kwargs)
+
+    return run
+
+
+def install_slow(raw: str) -> None:
+    """Patch SGLang's ``Scheduler.run_batch`` as ``PPSYNC_SGLANG_CHECK_SLOW``
+    (``raw``) asks, once the scheduler's module is imported."""
+    from ppsync.harness.vllm_check.worker_hooks import AfterImport
+
+    stage, after, seconds = raw.split(":")
+
+    def patch(module: ModuleType) -> None:
+        cls = module.Scheduler
+        cls.run_batch = slowed_run_batch(cls.run_batch, int(stage), int(after), float(seconds))
+
+    if SCHEDULER in sys.modules:
+        patch(sys.modules[SCHEDULER])
+    else:
+        sys.meta_path.insert(0, AfterImport({SCHEDULER: patch}))
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -91,9 +138,13 @@ def main(spec_path: str) -> int:
     pids = stage_pids(spec["pp_size"])
     emit("stages", pids={str(k): v for k, v in pids.items()})
     prompts: list[list[int]] = spec["prompts"]
+    emit("generate", call=0)
     emit("tokens", call=0, tokens=generate(llm, prompts, spec["max_tokens"]))
     fault = spec.get("fault")
-    if fault:
+    if fault == "slow-last":  # the stall was in call 0; the engine goes on
+        emit("generate", call=1)
+        emit("tokens", call=1, tokens=generate(llm, prompts, spec["max_tokens"]))
+    elif fault:
         last = spec["pp_size"] - 1
         os.kill(pids[last], FAULT_SIGNALS[fault])
         emit("fault", fault=fault, stage=last, pid=pids[last])
@@ -105,6 +156,9 @@ def main(spec_path: str) -> int:
     emit("shutdown")
     return 0
 
+
+if __name__ == "__mp_main__" and os.environ.get(ENV_SLOW):  # a process SGLang spawned
+    install_slow(os.environ[ENV_SLOW])
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1]))

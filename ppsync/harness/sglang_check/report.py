@@ -37,12 +37,21 @@ def _end(run: RunResult) -> str:
     return f"still hung after {run.after_fault_s:g} s"
 
 
+def _stall(run: RunResult) -> str:
+    stall = run.event("slow")
+    if stall is None:
+        return "-"
+    return (f"{float(stall['seconds']):.1f} s on stage {stall['stage']}, before its run_batch "
+            f"{stall['step']}")
+
+
 def outcome_rows(run: RunResult) -> list[tuple[str, str]]:
     """(label, value) rows of one run's outcome."""
     return [
         ("error the caller saw", run.caller_error()),
         ("stage named", _stage_named(run)),
         ("end", _end(run)),
+        ("stall in one step", _stall(run)),
         ("guard active on stages", ", ".join(map(str, sorted(run.active_stages()))) or "none"),
         ("processes left at the end", str(run.processes_left)),
         ("processes after cleanup", str(run.processes_after_cleanup)),

@@ -80,6 +80,11 @@ class RunResult:
     def event(self, name: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e["event"] == name), None)
 
+    def event_where(self, name: str, call: int) -> dict[str, Any] | None:
+        """The event ``name`` of generate call ``call``."""
+        return next((e for e in self.events if e["event"] == name and e.get("call") == call),
+                    None)
+
     def active_stages(self) -> set[int]:
         return {int(m.group(1)) for m in GUARD_ACTIVE.finditer(self.stderr)}
 

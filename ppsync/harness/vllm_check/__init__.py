@@ -11,7 +11,10 @@ calls took.
 - worker_hooks.py: loaded in every vLLM process of a run (recording, the
   per-tensor seed, the Triton stand-in on CPU, the CPU work-arounds for
   speculative decoding);
-- report.py: the comparison and the printed report (no vLLM needed).
+- report.py: the comparison and the printed report (no vLLM needed);
+- faults.py: a worker killed or stopped (--fault kill-last, stop-last,
+  kill-first); healthy.py: their healthy twins, which must never be a fault
+  (--fault slow-last, idle); node_faults.py: a host's (--nodes 2).
 """
 
 from ppsync.harness.vllm_check.check import VllmCheckOptions, run_check

@@ -41,16 +41,23 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ppsync.compat.env import bounds_from_env
 from ppsync.compat.vllm.plugin import ENV_SWITCH
-from ppsync.compat.vllm.settings import ENV_TIMEOUT, SETTINGS_ENV
+from ppsync.compat.vllm.settings import ENV_SILENT, ENV_TIMEOUT, SETTINGS_ENV
 from ppsync.compat.vllm.versions import VLLM_DISTRIBUTIONS, installed_vllm_version
 from ppsync.harness.vllm_check import worker_hooks
 from ppsync.harness.vllm_check.faults import fault_failures, format_faults, run_fault
+from ppsync.harness.vllm_check.healthy import (
+    HEALTHY,
+    healthy_env,
+    healthy_failures,
+    healthy_lines,
+    healthy_spec,
+)
 from ppsync.harness.vllm_check.options import VllmCheckOptions
 from ppsync.harness.vllm_check.report import NGRAM_METHODS, failures, format_report
 from ppsync.harness.vllm_check.runs import run_bounded, run_engine
 from ppsync.harness.vllm_check.timing import run_timing
-from ppsync.schemas.config import DEFAULT_TIMEOUT_S
 
 __all__ = ["NO_VLLM", "VllmCheckOptions", "environment_problem", "model_config", "prompt_ids",
            "run_bounded", "run_check"]
@@ -209,6 +216,10 @@ def _base_env(work: Path, opts: VllmCheckOptions, standin: bool, cpu: bool) -> d
     env.update(opts.settings)
     if opts.handler_timeout_s is not None:
         env[ENV_TIMEOUT] = f"{opts.handler_timeout_s:g}"
+    if opts.handler_silent_s is not None:
+        env[ENV_SILENT] = f"{opts.handler_silent_s:g}"
+    if opts.fault in HEALTHY:
+        env.update(healthy_env(opts.fault, opts.pp_size, opts.fault_after, opts.slow_s))
     for name in workarounds(opts, standin=standin, cpu=cpu):
         env[WORKAROUND_ENV[name]] = "1"
     return env
@@ -253,7 +264,8 @@ def run_check(opts: VllmCheckOptions) -> int:
     spec = {"model": str(work / "model"), "dtype": "float32" if cpu else "bfloat16",
             "pp_size": opts.pp_size, "max_model_len": 128, "max_num_seqs": max(4, opts.prompts),
             "max_tokens": opts.max_tokens, "calls": opts.calls, "seed": opts.seed,
-            "prompts": prompts, "spec": opts.spec, "spec_method": opts.spec_method}
+            "prompts": prompts, "spec": opts.spec, "spec_method": opts.spec_method,
+            **(healthy_spec(opts.fault, opts.idle_s) if opts.fault in HEALTHY else {})}
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps(spec))
     header = [
@@ -283,7 +295,14 @@ def run_check(opts: VllmCheckOptions) -> int:
     ]
     chosen = [f"{k}={env[k]}" for k in SETTINGS_ENV if k in env]
     header.append(f"  ppsync's settings (read by its plugin): {', '.join(chosen) or 'none set'}")
-    if opts.fault is not None:
+    if opts.fault == "slow-last":
+        header.append(f"  healthy fault: slow-last: PP rank {opts.pp_size - 1}'s execute_model "
+                      f"sleeps {opts.slow_s:g} s before its model step {opts.fault_after}, in "
+                      "both runs (a slow stage, alive: never a fault)")
+    elif opts.fault == "idle":
+        header.append(f"  healthy fault: idle: the engine idles {opts.idle_s:g} s between its "
+                      "generate calls, alive, no request, in both runs (never a fault)")
+    elif opts.fault is not None:
         header.append(f"  fault: {opts.fault} at the faulted worker's step {opts.fault_after} of "
                       f"the first generate call; each run watched up to {opts.fault_bound_s:g} s "
                       "after the fault")
@@ -307,6 +326,8 @@ def run_check(opts: VllmCheckOptions) -> int:
     if standin:
         header.append(f"  timing: {INTERPRETER_NOTE}")
     print("\n".join(header), flush=True)
+    if opts.fault in HEALTHY:
+        return _healthy(opts, work, env, spec_file)
     if opts.fault is not None:
         return _faults(opts, work, env, spec_file)
     if opts.repeat > 1:
@@ -327,7 +348,7 @@ def run_check(opts: VllmCheckOptions) -> int:
 def _faults(opts: VllmCheckOptions, work: Path, env: dict[str, str], spec_file: Path) -> int:
     """The fault with each handler; exit 1 unless ppsync's run passed."""
     assert opts.fault is not None
-    timeout_s = opts.handler_timeout_s or DEFAULT_TIMEOUT_S
+    silent_s = bounds_from_env(env).silent_s  # what ppsync's run reads
     outcomes = []
     for i, (label, ppsync) in enumerate((("vLLM's PPHandler", False),
                                          ("ppsync's plugin", True))):
@@ -335,6 +356,31 @@ def _faults(opts: VllmCheckOptions, work: Path, env: dict[str, str], spec_file: 
         outcomes.append(run_fault(label, ppsync, work, f"run-{i + 1}-{opts.fault}", env,
                                   spec_file, opts.fault, opts.pp_size, opts.fault_after,
                                   opts.timeout_s, opts.fault_bound_s))
-    print(format_faults(outcomes, opts.pp_size, timeout_s), flush=True)
-    failed = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, timeout_s)]
+    print(format_faults(outcomes, opts.pp_size, silent_s), flush=True)
+    failed = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, silent_s)]
     return 1 if failed else 0
+
+
+def _healthy(opts: VllmCheckOptions, work: Path, env: dict[str, str], spec_file: Path) -> int:
+    """A healthy fault (slow-last, idle) with each handler: 0 only when both
+    runs ended normally with identical tokens and ppsync's met no error and
+    lost no worker (ppsync.harness.vllm_check.healthy)."""
+    assert opts.fault is not None
+    runs = []
+    for i, (label, ppsync) in enumerate((("vLLM's PPHandler", False),
+                                         ("ppsync's plugin", True))):
+        print(f"  run {i + 1} of 2 ({label}, {opts.fault}) ...", flush=True)
+        runs.append(run_engine(label, ppsync, work, f"run-{i + 1}-{opts.fault}", env,
+                               spec_file, opts.timeout_s))
+    base, ours = runs
+    more = [w for run in runs for w in healthy_failures(run, opts.fault, opts.pp_size,
+                                                        opts.slow_s, opts.idle_s)]
+    section = healthy_lines((base, ours), opts.fault, opts.pp_size, installed_vllm_version(),
+                            opts.spec)
+    print(format_report(base, ours, opts.pp_size, spec=opts.spec, section=section,
+                        more_failures=more, passed_also=(
+                            f", through {opts.fault} with no error and no worker lost")),
+          flush=True)
+    if base.error is not None:
+        return 2  # vLLM itself does not run here
+    return 1 if failures(base, ours, opts.pp_size, spec=opts.spec) or more else 0

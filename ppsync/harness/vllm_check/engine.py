@@ -4,8 +4,10 @@
 vLLM's offline ``LLM`` with the model, pipeline size and settings of
 SPEC, generates greedily for SPEC's prompts (token ids: the model has no
 tokenizer) ``calls`` times, and writes the tokens of every call and each
-call's duration to OUT (a call that raises: its error as the caller saw
-it, and the time; then it goes on); with ``spec`` (K > 0) speculative decoding with
+call's duration and its start and end (wall clock) to OUT (a call that
+raises: its error as the caller saw it, and the time; then it goes on);
+with ``idle_s`` the engine idles that long between calls, alive with no
+request (vllm-check --fault idle); with ``spec`` (K > 0) speculative decoding with
 ``spec_method`` and K draft tokens (n-gram lookups of 2 to 3 tokens for the
 n-gram methods), and vLLM's acceptance counters after the last call. Which
 handler vLLM builds is decided by the environment the check gives this
@@ -83,12 +85,17 @@ def run(spec: dict[str, object], out: Path) -> None:
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
     tokens: list[list[list[int]]] = []
     seconds: list[float] = []
-    result: dict[str, object] = {"tokens": tokens, "generate_s": seconds}
+    calls_at: list[tuple[float, float]] = []
+    result: dict[str, object] = {"tokens": tokens, "generate_s": seconds, "calls_at": calls_at}
+    calls, idle_s = int(str(spec["calls"])), float(str(spec.get("idle_s", 0)))
     try:
-        for _ in range(int(str(spec["calls"]))):
-            t0 = time.perf_counter()
+        for call in range(calls):
+            if call and idle_s:
+                time.sleep(idle_s)  # the engine alive, no request
+            t0, wall = time.perf_counter(), time.time()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds.append(time.perf_counter() - t0)
+            calls_at.append((wall, time.time()))
             tokens.append([list(o.outputs[0].token_ids) for o in outputs])
     except Exception as e:  # what the caller of generate saw (a fault run expects one)
         result["error"] = caller_error(e)

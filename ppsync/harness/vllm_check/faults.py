@@ -7,19 +7,25 @@ hooks, ``PPSYNC_VLLM_CHECK_FAULT``): ``kill-last`` SIGKILLs the last PP
 rank, ``stop-last`` SIGSTOPs it (a silent peer: alive, never sends),
 ``kill-first`` SIGKILLs PP rank 0. The check then watches the run: the
 error the caller of ``generate`` saw (type and first line) and when, which
-PP rank was named and by whom (the caller's error, a worker's error as the
-hooks recorded it, or vLLM's executor, which logs a worker process that
-died), the seconds from the fault to the end, or "still hung" at
+PP rank was named, by whom and when (the caller's error, a worker's error as
+the hooks recorded it, or vLLM's executor, which logs a worker process that
+died: by its log line's stamp, whole seconds, read as the latest it can
+mean), the seconds from the fault to the end, or "still hung" at
 ``fault_bound_s`` after the fault; and the processes still alive
 :data:`GRACE_S` after the caller's process ended (or at the bound). Then
 every process of the run is killed, and the check says whether any
 survived that.
 
-ppsync's run passes when the faulted PP rank was named within ``timeout_s``
-+ :data:`SLACK_S` of the fault, the engine ended (not still hung at the
-bound; how long vLLM's executor then takes to stop its workers is reported),
-and no process was left; vLLM's run is reported, not judged. With TP = 1 (this check's
-engines) a global rank is the PP rank.
+ppsync's run passes when the faulted PP rank was named within its bound
+(:func:`naming_bound_s`) + :data:`SLACK_S` of the fault, the engine ended
+(not still hung at the bound; how long vLLM's executor then takes to stop
+its workers is reported), and no process was left; vLLM's run is reported,
+not judged. The bound follows the failure model (docs/design.md): a
+stopped rank is silent, named ``silent_s`` (read from the settings ppsync's
+run gets; 15 s by default) after its heartbeat stopped; a killed one is
+dead, named about at once (:data:`DEAD_S`). Nothing counts ``timeout_s``,
+the bound on a wait for a live peer: the fault runs keep its default. With
+TP = 1 (this check's engines) a global rank is the PP rank.
 """
 
 from __future__ import annotations
@@ -40,22 +46,37 @@ from ppsync.harness.vllm_check.runs import (
     session_processes,
 )
 
-__all__ = ["FAULTS", "GRACE_S", "SLACK_S", "FaultOutcome", "fault_failures", "fault_target",
-           "format_faults", "run_fault"]
+__all__ = ["DEAD_S", "FAULTS", "GRACE_S", "SLACK_S", "FaultOutcome", "bound_text",
+           "fault_failures", "fault_target", "format_faults", "naming_bound_s", "run_fault"]
 
 FAULTS = ("kill-last", "stop-last", "kill-first")
 GRACE_S = 5.0
 """How long after the caller's process ended the check looks for processes left."""
 SLACK_S = 5.0
-"""ppsync's run must name the faulted rank within its timeout_s plus this."""
+"""ppsync's run must name the faulted rank within its bound plus this."""
+DEAD_S = 1.0
+"""A dead rank is named within about this: a connection error at once on a
+rank with a transfer pending with it, the board tells the others at their
+next look (docs/design.md, "The failure model")."""
 PPSYNC_NAMES = re.compile(r"rank(?:\(s\))? (\d+)(?:, \d+)* \(global\)")
-VLLM_DIED = re.compile(r"Worker proc VllmWorker-(\d+) died unexpectedly")
+VLLM_DIED = re.compile(r"(?:(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) \[[^\]]*\] )?"
+                       r"Worker proc VllmWorker-(\d+) died unexpectedly")
+"""vLLM's executor's line for a worker that died, after its log stamp
+(local time, MM-DD HH:MM:SS) where there is one."""
 
 
 def fault_target(fault: str, pp_size: int) -> tuple[str, int]:
     """(signal action, PP rank) of ``fault``."""
     action, where = fault.split("-")
     return action, pp_size - 1 if where == "last" else 0
+
+
+def naming_bound_s(fault: str, silent_s: float) -> float:
+    """How long after ``fault`` ppsync may take to name the faulted rank
+    (before :data:`SLACK_S`): ``silent_s`` for a stopped one (its heartbeat
+    stopped), :data:`DEAD_S` for a killed one."""
+    action, _ = fault.split("-")
+    return silent_s if action == "stop" else DEAD_S
 
 
 @dataclass(frozen=True)
@@ -97,9 +118,22 @@ def _named(run: RunResult, rank: int, fault_t: float) -> tuple[int | None, str, 
     if run.log is not None and Path(run.log).exists():
         m = VLLM_DIED.search(Path(run.log).read_text(errors="replace"))
         if m:
-            when = None if run.ended_at is None else run.ended_at - fault_t
-            return int(m.group(1)), "vLLM's executor (a worker process died)", when
+            logged = logged_at(m, fault_t)
+            when = (logged - fault_t if logged is not None else
+                    None if run.ended_at is None else run.ended_at - fault_t)
+            return int(m.group(6)), "vLLM's executor (a worker process died)", when
     return None, "", None
+
+
+def logged_at(m: re.Match[str], near: float) -> float | None:
+    """When vLLM logged the line ``m`` of :data:`VLLM_DIED`, at the latest:
+    its stamp (local time, whole seconds, the year of ``near``) + 1 s; None
+    without a stamp."""
+    if m.group(1) is None:
+        return None
+    year = time.localtime(near).tm_year
+    month, day, hour, minute, second = (int(m.group(i)) for i in range(1, 6))
+    return time.mktime((year, month, day, hour, minute, second, 0, 0, -1)) + 1.0
 
 
 def run_fault(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],
@@ -160,11 +194,19 @@ def _fault_time(records: Path) -> float | None:
     return None
 
 
-def fault_failures(o: FaultOutcome, timeout_s: float) -> list[str]:
-    """Why ppsync's run of a fault fails (vLLM's run is not judged)."""
+def bound_text(fault: str, silent_s: float) -> str:
+    """``fault``'s bound to name the rank, as the report words it."""
+    bound = naming_bound_s(fault, silent_s)
+    what = "silent_s" if fault.startswith("stop") else "dead"
+    return f"{fault}: {what} {bound:g} + {SLACK_S:g} = {bound + SLACK_S:g} s"
+
+
+def fault_failures(o: FaultOutcome, silent_s: float) -> list[str]:
+    """Why ppsync's run of a fault fails (vLLM's run is not judged);
+    ``silent_s``: the one ppsync's run was given."""
     out = []
     label = f"{o.run.label}, {o.fault}"
-    limit = timeout_s + SLACK_S
+    limit = naming_bound_s(o.fault, silent_s) + SLACK_S
     if o.fault_t is None:
         return [f"{label}: PP rank {o.rank} never reached the step of its fault"]
     if o.ended_after_s is None:
@@ -175,7 +217,7 @@ def fault_failures(o: FaultOutcome, timeout_s: float) -> list[str]:
     elif o.named_after_s is None or o.named_after_s > limit:
         when = "at a time not known" if o.named_after_s is None else \
             f"only {o.named_after_s:.1f} s after the fault"
-        out.append(f"{label}: PP rank {o.rank} named {when}")
+        out.append(f"{label}: PP rank {o.rank} named {when} (bound {limit:g} s)")
     if o.left:
         out.append(f"{label}: processes left: {', '.join(o.left)}")
     return out
@@ -210,8 +252,9 @@ def _outcome_lines(o: FaultOutcome) -> list[str]:
             f"    vLLM's output: {o.run.log}"]
 
 
-def format_faults(outcomes: list[FaultOutcome], pp_size: int, timeout_s: float) -> str:
-    """Both handlers' outcomes of each fault side by side, and the verdict."""
+def format_faults(outcomes: list[FaultOutcome], pp_size: int, silent_s: float) -> str:
+    """Both handlers' outcomes of each fault side by side, and the verdict
+    (``silent_s``: the one ppsync's run was given)."""
     lines = []
     for fault in dict.fromkeys(o.fault for o in outcomes):
         runs = [o for o in outcomes if o.fault == fault]
@@ -221,13 +264,14 @@ def format_faults(outcomes: list[FaultOutcome], pp_size: int, timeout_s: float) 
                      f"{worker_hooks.FAULT_SIGNALS[action]} at its step {step}")
         for o in runs:
             lines += _outcome_lines(o)
-    why = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, timeout_s)]
+    why = [w for o in outcomes if o.run.expect_ppsync for w in fault_failures(o, silent_s)]
     lines.append("")
     if why:
         lines.append("FAIL")
         lines += [f"  {w}" for w in why]
     else:
+        bounds = "; ".join(dict.fromkeys(bound_text(o.fault, silent_s) for o in outcomes))
         lines.append(f"PASS: with ppsync's handler every fault named the faulted PP rank "
-                     f"within timeout_s + {SLACK_S:g} s = {timeout_s + SLACK_S:g} s and ended the "
-                     "engine, leaving no process (vLLM's handler: reported above, not judged)")
+                     f"within its bound ({bounds}) and ended the engine, leaving no process "
+                     "(vLLM's handler: reported above, not judged)")
     return "\n".join(lines)

@@ -26,9 +26,12 @@ class VllmCheckOptions:
     spec_method: str = "ngram_gpu"
     settings: tuple[tuple[str, str], ...] = ()  # PPSYNC_* variables for ppsync's runs
     handler_timeout_s: float | None = None  # PPSYNC_TIMEOUT_S (None: the handler's default)
-    fault: str | None = None  # kill-last, stop-last, kill-first (faults.FAULTS)
+    handler_silent_s: float | None = None  # PPSYNC_SILENT_S (None: the handler's default)
+    fault: str | None = None  # faults.FAULTS, healthy.HEALTHY, or a node fault
     fault_after: int = 4  # the faulted worker's step
     fault_bound_s: float = 120.0  # watched this long after the fault
+    slow_s: float = 90.0  # --fault slow-last: the last worker's stall in one step
+    idle_s: float = 180.0  # --fault idle: the engine idles this long between calls
     repeat: int = 1  # runs per handler, alternating (timing.py)
     nodes: int = 1  # hosts (network namespaces); 2: served over HTTP (nodes_check.py)
     mismatch: str | None = None  # --nodes 2: one node with other settings (mismatch.py)

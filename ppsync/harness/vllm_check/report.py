@@ -56,6 +56,7 @@ class WorkerRecord:
     # on unconsumed transfers, on consumed ones, side-stream waits (None: not on the twin)
     errors: tuple[tuple[float, str, str, str], ...] = ()  # (time, call, type, first line)
     fault: tuple[float, str, int] | None = None  # (time, action, step) of its own fault
+    slow: tuple[float, float, int] | None = None  # (time, seconds, step) of its own stall
     node: str = ""  # the host it ran on (vllm-check --nodes), as the check named it
     gloo_ifname: str = ""  # its GLOO_SOCKET_IFNAME
     frames: int = 0  # ppsync's last rank: frames its token group sent
@@ -113,6 +114,8 @@ class RunResult:
     workarounds: dict[str, int] = field(default_factory=dict)  # name -> processes it acted in
     caller: dict[str, str] | None = None  # the error generate raised: type, first_line, text
     ended_at: float | None = None  # when generate raised (time.time())
+    calls_at: tuple[tuple[float, float], ...] = ()  # each generate call's start and end
+    # (time.time())
 
 
 def read_workarounds(record_dir: Path) -> dict[str, int]:
@@ -143,6 +146,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
         twin: tuple[int, int, int] | None = None
         errors: list[tuple[float, str, str, str]] = []
         fault: tuple[float, str, int] | None = None
+        slow: tuple[float, float, int] | None = None
         frames = 0
         for line in path.read_text().splitlines():
             try:
@@ -158,6 +162,8 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
                                str(event["line"])))
             elif event.get("event") == "fault":
                 fault = (float(event["t"]), str(event["action"]), int(event["step"]))
+            elif event.get("event") == "slow":
+                slow = (float(event["t"]), float(event["s"]), int(event["step"]))
             elif event.get("event") in calls:
                 calls[event["event"]].append(float(event["s"]))
                 frames = max(frames, int(event.get("seq", 0)))
@@ -179,7 +185,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
             prev_s=tuple(calls["get_prev_sampled_outputs"]), receive_all_rows=all_rows,
             receive_rows=tuple(rows), drafts_s=tuple(calls["broadcast_drafts"]),
             steps=steps, multi_steps=tuple(multi), twin=twin, errors=tuple(errors),
-            fault=fault, path={k: str(head[k]) for k in PATH_FACTS if k in head},
+            fault=fault, slow=slow, path={k: str(head[k]) for k in PATH_FACTS if k in head},
             node=str(head.get("node", "")), gloo_ifname=str(head.get("gloo_ifname", "")),
             frames=frames, frame_bytes=int(str(head.get("frame_bytes", 0)))))
     return tuple(sorted(workers, key=lambda w: (w.pp_rank, w.pid)))
@@ -309,10 +315,12 @@ def _rank_lines(w: WorkerRecord, spec: int) -> list[str]:
 
 
 def format_report(base: RunResult, ours: RunResult, pp_size: int,
-                  header: Sequence[str] = (), spec: int = 0) -> str:
+                  header: Sequence[str] = (), spec: int = 0, section: Sequence[str] = (),
+                  more_failures: Sequence[str] = (), passed_also: str = "") -> str:
     """The check's printed report: header lines, the handler each worker
     built, the token comparison, vLLM's acceptance counters (``spec``: K > 0),
-    the timings per rank and the verdict."""
+    the timings per rank, ``section`` (a fault's own lines) and the verdict
+    (failing for ``more_failures`` too; ``passed_also`` ends the PASS line)."""
     lines = list(header)
     lines.append("")
     lines.append("handler built in each worker:")
@@ -363,7 +371,9 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
     if applied:
         lines.append("  work-arounds that acted: " + "; ".join(applied))
     lines.append("")
-    why = failures(base, ours, pp_size, spec)
+    if section:
+        lines += [*section, ""]
+    why = failures(base, ours, pp_size, spec) + list(more_failures)
     if why:
         lines.append("FAIL")
         lines += [f"  {w}" for w in why]
@@ -372,5 +382,5 @@ def format_report(base: RunResult, ours: RunResult, pp_size: int,
                     f"{base.spec.accepted if base.spec else '?'} and "
                     f"{ours.spec.accepted if ours.spec else '?'} tokens)" if spec else "")
         lines.append(f"PASS: ppsync's handler was built in all {pp_size} workers and its tokens "
-                     f"are identical to vLLM's own handler's{accepted}")
+                     f"are identical to vLLM's own handler's{accepted}{passed_also}")
     return "\n".join(lines)

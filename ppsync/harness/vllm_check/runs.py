@@ -88,7 +88,8 @@ def result_of(label: str, ppsync: bool, run_dir: Path, error: str | None) -> Run
         generate_s=tuple(result.get("generate_s", ())), error=error,
         log=str(run_dir / "vllm.log"), spec=spec_figures(result.get("spec")),
         workarounds=read_workarounds(records), caller=result.get("error"),
-        ended_at=result.get("ended_at"))
+        ended_at=result.get("ended_at"),
+        calls_at=tuple((float(a), float(b)) for a, b in result.get("calls_at", ())))
 
 
 def run_engine(label: str, ppsync: bool, work: Path, name: str, env: dict[str, str],

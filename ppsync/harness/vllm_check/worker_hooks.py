@@ -46,7 +46,6 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
-import signal
 import sys
 import time
 import zlib
@@ -62,6 +61,7 @@ ENV_MASK_CAST = "PPSYNC_VLLM_CHECK_MASK_CAST"
 ENV_ASYNC = "PPSYNC_VLLM_CHECK_ASYNC_SCHEDULING"
 ENV_FAULT = "PPSYNC_VLLM_CHECK_FAULT"
 ENV_NODE = "PPSYNC_VLLM_CHECK_NODE"  # node_record.ENV_NODE
+ENV_SLOW = "PPSYNC_VLLM_CHECK_SLOW"
 FAULT_SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
 TRITON_INTERPRETER = "triton.runtime.interpreter"
 CPU_PLATFORM = "vllm.platforms.cpu"
@@ -70,6 +70,7 @@ DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
 PPSYNC_PLUGIN = "ppsync.compat.vllm.plugin"
 NODE_RECORD = "ppsync.harness.vllm_check.node_record"  # imported once vLLM runs
+WORKER_FAULTS = "ppsync.harness.vllm_check.worker_faults"  # the same
 TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
 
 
@@ -93,7 +94,7 @@ def register_triton_standin() -> None:
         compiler=_StandInCompiler, driver=_StandInDriver))
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``patch(module)`` right after the named module is executed."""
 
     def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
@@ -160,7 +161,11 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
         importlib.import_module(PPSYNC_PLUGIN).LEAVE_HOOKS.append(
             lambda call, e: write_error(out, call, e))
     last = group.rank_in_group == group.world_size - 1
-    fault = _fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
+    faults = importlib.import_module(WORKER_FAULTS)
+    fault = faults.fault_for(group.rank_in_group, "broadcast" if last else "receive", out)
+    slow = faults.slow_for(group.rank_in_group, runner.execute_model, out)
+    if slow is not None:  # the worker calls its runner's execute_model by attribute
+        runner.execute_model = slow
     frames = (lambda: int(handler.token_path.seq)) if ours else None
     for name in TIMED_CALLS:
         setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault, frames))
@@ -183,31 +188,6 @@ def path_facts(path: Any) -> dict[str, object]:
     return {"codec": path.config.codec, "carrier": carrier, "host_kernels": codec.kernels.name,
             "device_kernels": codec.device_kernels_name, "completion": path.completion.name,
             "frame_bytes": 8 * int(words), "token_backend": str(path.backend)}
-
-
-def _fault_for(pp_rank: int, call: str, out: Any) -> Callable[[str], None] | None:
-    """The fault ``PPSYNC_VLLM_CHECK_FAULT`` asks of this worker: called
-    before each timed call; at the N-th ``call`` it records the time and
-    signals this process."""
-    raw = os.environ.get(ENV_FAULT, "")
-    if not raw:
-        return None
-    action, rank, after = raw.split(":")
-    if int(rank) != pp_rank:
-        return None
-    count = [0]
-
-    def maybe_fault(name: str) -> None:
-        if name != call:
-            return
-        count[0] += 1
-        if count[0] == int(after):
-            out.write(json.dumps({"event": "fault", "t": time.time(), "action": action,
-                                  "pp_rank": pp_rank, "step": count[0]}) + "\n")
-            out.flush()
-            os.kill(os.getpid(), getattr(signal, FAULT_SIGNALS[action]))
-
-    return maybe_fault
 
 
 def _timed(name: str, call: Callable[..., Any], out: Any, stats: Any = None, fault: Callable[
@@ -385,4 +365,4 @@ def install_from_env() -> None:
     for name in [n for n in patches if n in sys.modules]:
         patches.pop(name)(sys.modules[name])
     if patches:
-        sys.meta_path.insert(0, _AfterImport(patches))
+        sys.meta_path.insert(0, AfterImport(patches))
