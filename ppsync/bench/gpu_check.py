@@ -10,21 +10,33 @@ and its row is printed and flushed as soon as it ends. The whole run stays
 within ``--budget`` seconds (default 330): a check gets at most what is
 left, and one that cannot start in time reads SKIP. Its wall time is printed.
 
-a) two ranks sharing GPU 0 over gloo, CUDA tensors, the device codec: the
-   workload, exact delivery, ppsync's calls under sync debug mode.
-b) a one-rank NCCL token group: a step, then a deferred BatchError.
-c) >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, exact, then timed.
-d) a late peer: post() and the main stream's work are not held.
+Which carrier a row's token path runs (SyncConfig.carrier): over an NCCL
+token group always "device" (NCCL takes device tensors only); over gloo the
+default, "host" (pinned memory). f, k, l and m build no token path.
+
+a) two ranks sharing GPU 0 over gloo, CUDA tensors, the device codec, the
+   host carrier: the workload, exact delivery, ppsync's calls under sync
+   debug mode.
+b) a one-rank NCCL token group (device carrier): a step, then a deferred
+   BatchError.
+c) >= 2 GPUs: P = min(4, GPUs) ranks over NCCL (device carrier), exact,
+   then timed.
+d) a late peer: post() and the main stream's work are not held (NCCL and
+   the device carrier with >= 2 GPUs; else gloo and the host carrier).
 e) per step, per role: host / device µs of vLLM's scheme and the device
-   codec; no host sync in ppsync's calls (the guard shown live first).
+   codec with each carrier; no host sync in ppsync's calls (the guard
+   shown live first).
    (a-e: ppsync.bench.gpu_workload_checks)
 f) a one-rank NCCL broadcast behind a long kernel: future done, work not
    completed (asserted: the premise of stream-ordered completion).
-g) the engine overwrites its sampler outputs right after publish.
+g) the engine overwrites its sampler outputs right after publish (gloo:
+   host carrier; NCCL with >= 2 GPUs: device carrier).
 h) Triton's compiled variants stay flat across row counts.
-i) >= 2 GPUs: kill -9 of the last rank; every survivor names it.
+i) >= 2 GPUs: kill -9 of the last rank (NCCL, device carrier); every
+   survivor names it.
    (f-i: ppsync.bench.gpu_stream_checks)
-j) ``Work.exception()`` on this torch; ppsync's completion never calls it.
+j) ``Work.exception()`` on this torch; ppsync's completion never calls it
+   (its path steps: device carrier).
 k) the abort of a pending one-rank broadcast: what NCCL says, how long it
    took, and that ppsync counts the work failed with the abort's cause.
 l) ``is_completed()`` µs per call.
@@ -131,19 +143,21 @@ def checks(steps: int, gpus: int) -> list[Check]:
     triton = triton_error()
     p = functools.partial
     return [
-        Check("a) 2 ranks on GPU 0, gloo, device codec", p(workload.check_a, steps), 90),
-        Check("b) 1-rank NCCL token group", workload.check_b, 60),
-        Check(f"c) P=min(4, {gpus}) ranks over NCCL", p(workload.check_c, steps, gpus), 90,
+        Check("a) 2 ranks on GPU 0, gloo, host carrier", p(workload.check_a, steps), 90),
+        Check("b) 1-rank NCCL token group, device carrier", workload.check_b, 60),
+        Check(f"c) P=min(4, {gpus}) ranks over NCCL, device carrier",
+              p(workload.check_c, steps, gpus), 90,
               skip=multi),
         Check("d) late peer: post() and main stream not held", p(workload.check_d, gpus), 75),
-        Check("e) per step: vLLM's scheme vs device codec, no host sync",
+        Check("e) per step: vLLM's scheme vs both carriers, no host sync",
               workload.check_e, 90),
         Check("f) 1-rank NCCL: future done, work not completed", stream.check_f, 60),
         Check("g) overwrite after publish, receivers get originals",
               p(stream.check_g, gpus), 75),
         Check("h) Triton variants flat across row counts", stream.check_h, 90,
               skip="" if triton is None else f"Triton cannot be loaded ({triton})"),
-        Check("i) kill -9 of the last rank over NCCL", p(stream.check_i, gpus), 60, skip=multi),
+        Check("i) kill -9 of the last rank over NCCL, device carrier", p(stream.check_i, gpus),
+              60, skip=multi),
         Check("j) 1-rank NCCL: Work.exception(), ppsync's completion", failure.check_j, 60),
         Check("k) 1-rank NCCL: abort of a pending broadcast", failure.check_k, 60),
         Check("l) 1-rank NCCL: is_completed() µs per call", failure.check_l, 60),
