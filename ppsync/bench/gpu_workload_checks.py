@@ -67,7 +67,9 @@ def _hot(mode: str, found: list[str]) -> Callable[[], AbstractContextManager[Non
     return functools.partial(no_host_sync, mode, found)
 
 
-def _exact(report: RankReport) -> bool:
+def delivered_exactly(report: RankReport) -> bool:
+    """No row lost, stale, duplicated or corrupt; the last rank sent rows,
+    a receiver got every row it expected."""
     clean = (report.lost, report.stale, report.duplicated, report.corrupt) == (0, 0, 0, 0)
     if report.role == "last":
         return clean and report.rows_sent > 0
@@ -106,7 +108,7 @@ def workload_rank(steps: int, backend: str, mode: str, kernels: str, env: RankEn
     found: list[str] = []
     report = run_sync_rank(path, workload_config(config, steps=steps, seed=11),
                            hot=_hot(mode, found))
-    return {"exact": _exact(report), "syncs": found[:3], "report": report.model_dump()}
+    return {"exact": delivered_exactly(report), "syncs": found[:3], "report": report.model_dump()}
 
 
 def one_rank_rank(backend: str, env: RankEnv) -> Result:
