@@ -149,6 +149,7 @@ TORCH_FIND_LINKS ?= /opt/wheels
 SPEC             ?= 0
 PP               ?= 2
 CODEC            ?=
+CARRIER          ?=
 EMULATE          ?=
 FAULT            ?=
 NODES            ?= 1
@@ -177,7 +178,8 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENT)
 
 vllm-check: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/ppsync vllm-check --pp-size $(PP) --spec $(SPEC) \
-		$(if $(CODEC),--codec $(CODEC)) $(if $(EMULATE),--emulate $(EMULATE)) \
+		$(if $(CODEC),--codec $(CODEC)) $(if $(CARRIER),--carrier $(CARRIER)) \
+		$(if $(EMULATE),--emulate $(EMULATE)) \
 		$(if $(FAULT),--fault $(FAULT)) $(if $(filter-out 1,$(NODES)),--nodes $(NODES)) \
 		$(if $(MISMATCH),--mismatch $(MISMATCH)) $(VLLM_CHECK_FLAGS)
 

@@ -35,6 +35,8 @@ MODES: tuple[Mode, ...] = ("gloo", "twin")
 
 CARRIED_LAG_S = 0.002
 """How far the "carried" mode's stand-in streams run behind the host."""
+CARRIED_ENV = {"PPSYNC_TWIN_LAG_S": str(CARRIED_LAG_S)}
+"""The same, for a handler that emulates its own token group (spawn_ranks' env)."""
 
 
 def in_mode(config: SyncConfig, mode: Mode) -> SyncConfig:

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from twin_mode import check_engine_stream
+from twin_mode import CARRIED_ENV, check_engine_stream
 from vllm_standin import use_standin, write_standin
 
 from ppsync.compat.vllm import PPHandler, SampledOutputs
@@ -363,7 +363,8 @@ CASES = [
 def test_vllm_call_sequences_deliver_every_row_exactly(case: Case, tmp_path: Path) -> None:
     standin = write_standin(tmp_path)
     seen = spawn_ranks(functools.partial(engine_rank, case, standin), case.pp_size,
-                       timeout_s=SPAWN_TIMEOUT_S)
+                       timeout_s=SPAWN_TIMEOUT_S,
+                       env=CARRIED_ENV if case.carrier == "host" else None)
     receivers = seen[:-1]
     for s in receivers:
         assert s.rows_kept > 0 and s.rows_freed > 0 and s.empty_steps > 0

@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
-from twin_mode import check_engine_stream
+from twin_mode import CARRIED_ENV, check_engine_stream
 
 from ppsync.compat.vllm import PPHandler, PPHandler034Cpu, SampledOutputs
 from ppsync.errors import ProtocolError
@@ -233,7 +233,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_each_releases_call_sequence_delivers_every_row_exactly(case: Case) -> None:
-    receiver, _ = spawn_ranks(functools.partial(engine_rank, case), 2, timeout_s=60.0)
+    receiver, _ = spawn_ranks(functools.partial(engine_rank, case), 2, timeout_s=60.0,
+                              env=CARRIED_ENV if case.carrier == "host" else None)
     assert receiver.rows_kept > 0 and receiver.rows_freed > 0 and receiver.empty_steps > 0
     assert receiver.rows_reused > 0  # a freed slot taken by another request, row excluded
     if case.table and case.K:

@@ -45,7 +45,7 @@ def _rank(backend: str, out: Path, env: RankEnv) -> None:
     group = token_group(dist.group.WORLD, timeout_s=60.0)  # type: ignore[arg-type]
     emulate(group, backend)
     config = SyncConfig.build(pp_size=2, max_num_reqs=8, timeout_s=TIMEOUT_S,
-                              codec="device", ring_depth=2)
+                              codec="device", carrier="device", ring_depth=2)
     path = TokenPath(config, group, board=None)
     view = decode_view(IDX)
     if path.is_last:

@@ -44,7 +44,8 @@ MARGIN_S = 3.0  # the NCCL margin, shortened: the twin's watchdog fires 15 s aft
 IDLE_S = MAX_PENDING_S + MARGIN_S + 3  # past the token group's own timeout
 SLOW_S = 3 * SILENT_S + 2  # the healthy last rank's delay: past timeout_s and silent_s
 CONFIG = SyncConfig.build(pp_size=2, max_num_reqs=8, timeout_s=TIMEOUT_S, codec="device",
-                          ring_depth=1, silent_s=SILENT_S, max_pending_s=MAX_PENDING_S)
+                          carrier="device", ring_depth=1, silent_s=SILENT_S,
+                          max_pending_s=MAX_PENDING_S)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,15 @@
 """What ppsync knows of each torch.distributed backend and of each carrier,
 declared once; the platforms, the completion semantics, the twin, the
-flags and the plugin's settings read it here. A new backend (HCCL on
-Ascend, say) is one :class:`Backend` entry, its platform and its tests; a
-new carrier one :class:`Carrier` entry and its codec class
-(ppsync.core.codec.carriers).
+flags and the plugin's settings read it here.
+
+A new backend (HCCL on Ascend, say) touches: its :class:`Backend` entry
+here; its platform class (ppsync.core.wire.platform: streams, events,
+pinned memory, in ``_BY_NAME``); with a CPU twin, its name in
+``schemas.config.EmulatedName``; and its tests (tests/core/wire/
+test_backends.py checks that every list of names agrees with this one).
+A new carrier touches: its :class:`Carrier` entry here; its class in
+ppsync.core.codec.carriers (``CARRIER_CLASSES``); its name in
+``schemas.config.CarrierName``; and its tests.
 
 Facts read from PyTorch's ProcessGroupNCCL / torch-xpu-ops'
 ProcessGroupXCCL (docs/design.md, "When they fail"): NCCL's and XCCL's

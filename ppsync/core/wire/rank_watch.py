@@ -47,6 +47,7 @@ from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.heartbeat import BEAT_S, LOOK_S, Activity, Peers
 from ppsync.core.wire.platform import Platform
 from ppsync.core.wire.teardown import native_call
+from ppsync.core.wire.transport import has_future
 from ppsync.errors import PPSyncError, SyncTimeout
 
 log = logging.getLogger("ppsync")
@@ -253,7 +254,9 @@ class RankWatcher:
                     first = self._first_seen.get(id(work))
                     seen[id(work)] = (work, now) if first is None or first[0] is not work \
                         else first
-                elif bad is None and not well(work):
+                elif bad is None and has_future(work) and not well(work):
+                    # a work without a future (gloo's send, recv: SGLang's) is
+                    # judged by its owner's one wait, never waited here again
                     bad = work
         self._first_seen = seen
         oldest = None if not seen else now - min(t for _, t in seen.values())

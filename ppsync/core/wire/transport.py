@@ -159,9 +159,17 @@ def ended_well(work: dist.Work) -> bool:
     return True
 
 
+def has_future(work: dist.Work) -> bool:
+    """Whether ``work`` has a future (gloo's send and recv have none)."""
+    return _future(work) is not None
+
+
 def wait_work(work: dist.Work, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for ``work`` at most ``timeout_s``; raise SyncTimeout / PeerLost.
-    Never blocks once :func:`has_ended` says the work ended. gloo's rule (a
+    Never blocks once :func:`has_ended` says the work ended. A work without
+    a future (gloo's send and recv) is waited once, by its owner: a second
+    ``wait()`` on a finished gloo recv waits for another message, and its
+    timeout closes every connection of the group. gloo's rule (a
     future done = the transfer done): a token path asks its completion
     semantics (ppsync.core.wire.completion), which use this on gloo."""
     try:

@@ -4,7 +4,8 @@ work), and who acts on a failure (never the watcher during an engine call;
 never both the watcher and the engine's thread).
 
 The watched path is a stand-in here (what a watcher watches is a protocol);
-the multi-rank suites run the watcher over real token paths."""
+the multi-rank suites run the watcher over real token paths. One case runs
+two real gloo ranks: a finished receive among the watched works."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from ppsync.core.wire.completion import Completion
+from ppsync.core.wire.completion import Completion, HostCompleted
+from ppsync.core.wire.heartbeat import LOOK_S
 from ppsync.core.wire.platform import Platform
 from ppsync.core.wire.rank_watch import RankWatcher
 from ppsync.errors import PeerLost, PPSyncError
+from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 ROUND_S = 0.3  # a little more than a watcher round while something is pending
 
@@ -151,3 +154,45 @@ def test_the_watcher_and_the_engine_never_both_act_on_one_failure() -> None:
         assert acts == ["watcher"]
     finally:
         watcher.stop()
+
+
+# -- a finished gloo receive among the works it watches ------------------------------
+
+
+class Finished(Watched):
+    """One real gloo receive, finished and waited for by its owner (SGLang's
+    guard hands the watcher such works before it releases them)."""
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self.work = work
+
+
+def _finished_recv_rank(env: RankEnv) -> str:
+    msg = torch.zeros(4)
+    if env.rank == 0:
+        dist.send(torch.ones(4), dst=1)
+        dist.barrier()  # rank 1's watcher has had its rounds
+        dist.send(torch.full((4,), 2.0), dst=1)
+        return "sent"
+    work = dist.irecv(msg, src=0)
+    assert work is not None
+    work.wait()  # the owner's one wait
+    watched = Finished(work)
+    watcher = RankWatcher(watched, board=None, me=1, ranks=[0, 1], peers=[0],
+                          completion=HostCompleted(), platform=Platform(torch.device("cpu")),
+                          silent_s=60.0, max_pending_s=3600.0)
+    watcher.start()
+    time.sleep(4 * LOOK_S + ROUND_S)  # several rounds over the finished receive
+    watcher.stop()
+    dist.barrier()
+    dist.recv(msg, src=0)  # the group still carries the next message
+    assert watched.error is None, watched.error
+    return f"{msg.tolist()}"
+
+
+def test_a_finished_gloo_receive_is_not_waited_again_by_the_watcher() -> None:
+    # A second wait() on a finished gloo recv waits for another message; its
+    # timeout closes every connection of the group ("Application timeout
+    # caused pair closure"), so the next receive of the engine fails.
+    assert spawn_ranks(_finished_recv_rank, 2, timeout_s=30.0) == ["sent", "[2.0, 2.0, 2.0, 2.0]"]

@@ -152,21 +152,35 @@ class TwinGroup:
 
 _TWINS: dict[int, TwinGroup] = {}  # id(group) -> its twin; groups live until exit
 
+LAG_ENV = "PPSYNC_TWIN_LAG_S"
+"""The side streams' lag where the caller gives none (an engine's handler
+emulating its own group: ``PPSYNC_EMULATE``); unset: 0."""
+
+
+def _lag_from_env() -> float:
+    text = os.environ.get(LAG_ENV, "0")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{LAG_ENV} = {text!r} must be a number of seconds") from None
+
 
 def emulate(group: dist.ProcessGroup, backend: str = "nccl", *, carrier: str = "device",
-            lag_s: float = 0.0, abort_hang_s: float = 0.0) -> None:
+            lag_s: float | None = None, abort_hang_s: float = 0.0) -> None:
     """Make a token path over ``group`` (gloo) run as on a device whose
     backend is ``backend`` (one of :data:`EMULATED`): stand-in streams and
     events; with ``carrier`` "device" its works judged and ordered as
     ``backend``'s, with "host" as gloo's (the frames go through pinned
     memory). ``lag_s``: how far its side streams run behind the host (each
     piece of work starts at least that long after it was handed over), as a
-    device behind a host that queues ahead. ``abort_hang_s``: how long
-    NCCL's abort blocks (``inf``: for ever)."""
+    device behind a host that queues ahead (None: :data:`LAG_ENV`'s).
+    ``abort_hang_s``: how long NCCL's abort blocks (``inf``: for ever)."""
+    if lag_s is None:
+        lag_s = _lag_from_env()
     if backend not in EMULATED:
         raise ConfigError(f"emulate = {backend!r} must be one of {', '.join(EMULATED)}")
     if not 0 <= lag_s < HANG_S:
-        raise ConfigError(f"lag_s = {lag_s} must lie in [0, {HANG_S})")
+        raise ConfigError(f"lag_s = {lag_s} (or {LAG_ENV}) must lie in [0, {HANG_S})")
     if not abort_hang_s >= 0:
         raise ConfigError(f"abort_hang_s = {abort_hang_s} must be >= 0 (inf: for ever)")
     if carrier not in {c.name for c in CARRIERS}:
