@@ -10,21 +10,33 @@ and its row is printed and flushed as soon as it ends. The whole run stays
 within ``--budget`` seconds (default 330): a check gets at most what is
 left, and one that cannot start in time reads SKIP. Its wall time is printed.
 
-a) two ranks sharing GPU 0 over gloo, CUDA tensors, the device codec: the
-   workload, exact delivery, ppsync's calls under sync debug mode.
-b) a one-rank NCCL token group: a step, then a deferred BatchError.
-c) >= 2 GPUs: P = min(4, GPUs) ranks over NCCL, exact, then timed.
-d) a late peer: post() and the main stream's work are not held.
+Which carrier a row's token path runs (SyncConfig.carrier): over an NCCL
+token group always "device" (NCCL takes device tensors only); over gloo the
+default, "host" (pinned memory). f, k, l and m build no token path.
+
+a) two ranks sharing GPU 0 over gloo, CUDA tensors, the device codec, the
+   host carrier: the workload, exact delivery, ppsync's calls under sync
+   debug mode.
+b) a one-rank NCCL token group (device carrier): a step, then a deferred
+   BatchError.
+c) >= 2 GPUs: P = min(4, GPUs) ranks over NCCL (device carrier), exact,
+   then timed.
+d) a late peer: post() and the main stream's work are not held (NCCL and
+   the device carrier with >= 2 GPUs; else gloo and the host carrier).
 e) per step, per role: host / device µs of vLLM's scheme and the device
-   codec; no host sync in ppsync's calls (the guard shown live first).
+   codec with each carrier; no host sync in ppsync's calls (the guard
+   shown live first).
    (a-e: ppsync.bench.gpu_workload_checks)
 f) a one-rank NCCL broadcast behind a long kernel: future done, work not
    completed (asserted: the premise of stream-ordered completion).
-g) the engine overwrites its sampler outputs right after publish.
+g) the engine overwrites its sampler outputs right after publish (gloo:
+   host carrier; NCCL with >= 2 GPUs: device carrier).
 h) Triton's compiled variants stay flat across row counts.
-i) >= 2 GPUs: kill -9 of the last rank; every survivor names it.
+i) >= 2 GPUs: kill -9 of the last rank (NCCL, device carrier); every
+   survivor names it.
    (f-i: ppsync.bench.gpu_stream_checks)
-j) ``Work.exception()`` on this torch; ppsync's completion never calls it.
+j) ``Work.exception()`` on this torch; ppsync's completion never calls it
+   (its path steps: device carrier).
 k) the abort of a pending one-rank broadcast: what NCCL says, how long it
    took, and that ppsync counts the work failed with the abort's cause.
 l) ``is_completed()`` µs per call.
@@ -32,6 +44,17 @@ l) ``is_completed()`` µs per call.
 m) a CUDA graph captured while ppsync's deadline guard polls a pending
    work (and, reported only, the services' loop from another thread)
    (ppsync.bench.gpu_capture_check).
+n) P = 2 and 3 ranks on GPU 0 over gloo, the host carrier: the workload
+   at K = 0 and 3, exact; no copy waited on, no pinned buffer reused
+   early; every token-path call under sync debug "error".
+o) the host carrier: a torch.profiler trace of each rank's steps holds no
+   NCCL kernel (the kernels seen counted).
+p) the host carrier: a matmul loop with the token path's calls within
+   1.02x of the same loop without them, on every rank (P = 2 and 3).
+   (n-p: ppsync.bench.gpu_carrier_checks)
+
+The summary's carrier line says what the run's n, o and p show of the host
+carrier as the default, and what a GPU run would have to show to change it.
 
 Exit status: 0 every check that ran passed, 1 one failed, 2 nothing run
 (no CUDA device, said on stderr: a check that ran nothing must not read as
@@ -52,6 +75,7 @@ from typing import TextIO
 import torch
 
 from ppsync.bench import gpu_capture_check as capture
+from ppsync.bench import gpu_carrier_checks as carrier
 from ppsync.bench import gpu_failure_checks as failure
 from ppsync.bench import gpu_stream_checks as stream
 from ppsync.bench import gpu_workload_checks as workload
@@ -125,41 +149,51 @@ def run_table(checks: list[Check], budget_s: float, out: TextIO) -> list[Row]:
     return rows
 
 
-def checks(steps: int, gpus: int) -> list[Check]:
-    """The table's checks on a machine with ``gpus`` GPUs."""
+def checks(steps: int, gpus: int, carrier_steps: int = carrier.STEPS) -> list[Check]:
+    """The table's checks on a machine with ``gpus`` GPUs (``steps``: a's
+    and c's workload steps; ``carrier_steps``: n's, per configuration)."""
     multi = "" if gpus >= 2 else f"{gpus} GPU: needs >= 2"
     triton = triton_error()
     p = functools.partial
     return [
-        Check("a) 2 ranks on GPU 0, gloo, device codec", p(workload.check_a, steps), 90),
-        Check("b) 1-rank NCCL token group", workload.check_b, 60),
-        Check(f"c) P=min(4, {gpus}) ranks over NCCL", p(workload.check_c, steps, gpus), 90,
+        Check("a) 2 ranks on GPU 0, gloo, host carrier", p(workload.check_a, steps), 90),
+        Check("b) 1-rank NCCL token group, device carrier", workload.check_b, 60),
+        Check(f"c) P=min(4, {gpus}) ranks over NCCL, device carrier",
+              p(workload.check_c, steps, gpus), 90,
               skip=multi),
         Check("d) late peer: post() and main stream not held", p(workload.check_d, gpus), 75),
-        Check("e) per step: vLLM's scheme vs device codec, no host sync",
+        Check("e) per step: vLLM's scheme vs both carriers, no host sync",
               workload.check_e, 90),
         Check("f) 1-rank NCCL: future done, work not completed", stream.check_f, 60),
         Check("g) overwrite after publish, receivers get originals",
               p(stream.check_g, gpus), 75),
         Check("h) Triton variants flat across row counts", stream.check_h, 90,
               skip="" if triton is None else f"Triton cannot be loaded ({triton})"),
-        Check("i) kill -9 of the last rank over NCCL", p(stream.check_i, gpus), 60, skip=multi),
+        Check("i) kill -9 of the last rank over NCCL, device carrier", p(stream.check_i, gpus),
+              60, skip=multi),
         Check("j) 1-rank NCCL: Work.exception(), ppsync's completion", failure.check_j, 60),
         Check("k) 1-rank NCCL: abort of a pending broadcast", failure.check_k, 60),
         Check("l) 1-rank NCCL: is_completed() µs per call", failure.check_l, 60),
         Check("m) CUDA graph captured while a pending work is polled", capture.check_m, 60),
+        Check("n) P=2, 3 on GPU 0, host carrier: exact, no wait, no sync",
+              p(carrier.check_n, carrier_steps), 75),
+        Check("o) host carrier: no NCCL kernel in each rank's profile", carrier.check_o, 60),
+        Check(f"p) host carrier: matmul loop within {carrier.RATIO_LIMIT:.2f}x without it",
+              carrier.check_p, 75),
     ]
 
 
 def summary(rows: list[Row], wall_s: float, budget_s: float, gpus: int) -> list[str]:
-    """The lines after the table: counts and wall time, the machine, and
-    what a one-GPU run leaves to the CPU twin."""
+    """The lines after the table: counts and wall time, the machine, what
+    the run says of the default carrier, and what a one-GPU run leaves to
+    the CPU twin."""
     count = {s: sum(1 for r in rows if r[1] == s) for s in ("PASS", "FAIL", "SKIP")}
     lines = [f"gpu-check: {count['PASS']} passed, {count['FAIL']} failed, {count['SKIP']} "
              f"skipped; wall time {wall_s:.1f} s (budget {budget_s:.0f} s)"]
     if gpus:
         lines.append(f"torch {torch.__version__}, {gpus} x {torch.cuda.get_device_name(0)}, "
                      f"Python {sys.version.split()[0]}")
+    lines.append(carrier.carrier_line(rows))
     if gpus < 2:
         lines.append(ONE_GPU_GAPS)
     return lines
@@ -170,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m ppsync.bench.gpu_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000, help="workload steps in a and c")
+    ap.add_argument("--carrier-steps", type=int, default=carrier.STEPS,
+                    help="workload steps per configuration in n")
     ap.add_argument("--budget", type=float, default=RUN_BUDGET_S,
                     help="the whole run's bound in seconds")
     args = ap.parse_args(argv)
@@ -180,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({sys.executable}).", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count()
-    rows = run_table(checks(args.steps, gpus), args.budget - (time.perf_counter() - t0),
+    rows = run_table(checks(args.steps, gpus, args.carrier_steps),
+                     args.budget - (time.perf_counter() - t0),
                      sys.stdout)
     for line in summary(rows, time.perf_counter() - t0, args.budget, gpus):
         print(line, flush=True)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppsync.bench.gpu_stream_checks import decode_view, device_of, long_kernel
+from ppsync.bench.gpu_stream_checks import carrier_over, decode_view, device_of, long_kernel
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.completion import Completion, completion_for
 from ppsync.core.wire.groups import token_group
@@ -133,7 +133,8 @@ def exception_probe(backend: str, steps: int = 8) -> Result:
             ended, well = completion.ended(work), completion.ended_well(work)
             failure = getattr(completion, "failure", lambda w: None)(work)
             config = SyncConfig.build(pp_size=1, max_num_reqs=8, num_speculative_steps=2,
-                                      timeout_s=TIMEOUT_S, codec="device")
+                                      timeout_s=TIMEOUT_S, codec="device",
+                                      carrier=carrier_over(backend))
             path = TokenPath(config, group, device=dev)
             view = decode_view(4)
             tokens = torch.arange(12, device=dev, dtype=torch.int64).view(4, 3)
@@ -145,7 +146,7 @@ def exception_probe(backend: str, steps: int = 8) -> Result:
         said = _outcome(work.exception)
     return {"torch": torch.__version__, "completed": completed, "exception": said,
             "ended": ended, "ended_well": well, "failure": repr(failure),
-            "ppsync_calls": len(calls), "steps": steps}
+            "ppsync_calls": len(calls), "steps": steps, "carrier": config.carrier}
 
 
 def exception_verdict(res: Result) -> tuple[bool, str]:
@@ -153,7 +154,8 @@ def exception_verdict(res: Result) -> tuple[bool, str]:
     reads the completed work as ended well; what exception() did is reported."""
     ok = (res["ppsync_calls"] == 0 and res["completed"] and res["ended"] is True
           and res["ended_well"] is True and res["failure"] == "None")
-    return ok, (f"torch {res['torch']}: work.exception() {res['exception']}; ppsync: "
+    return ok, (f"torch {res['torch']}: work.exception() {res['exception']}; ppsync "
+                f"({res['carrier']} carrier): "
                 f"ended={res['ended']} ended_well={res['ended_well']} "
                 f"failure={res['failure']}, exception() called {res['ppsync_calls']} times "
                 f"by ppsync (completion + {res['steps']} path steps)")

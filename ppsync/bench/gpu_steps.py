@@ -5,9 +5,10 @@ drives the model (host µs) and the device (µs between events), for
 Schemes: vLLM's GPU scheme (ppsync.bench.vllm_scheme' calls on
 CUDA tensors; its broadcasts are not run, as in ppsync.bench.dispatches),
 and the device codec with each kernel set ("torch"; "triton" where Triton
-imports and runs compiled), on a real :class:`TokenPath` pair in one
-process (ppsync.bench.codec_cpu.path_pair: the frame goes over a loopback
-copy instead of a collective). Every token-path call runs under
+imports and runs compiled) and each carrier (host: the frame's copies to
+and from pinned memory are in its figures; device), on a real
+:class:`TokenPath` pair in one process (ppsync.bench.codec_cpu.path_pair:
+the frame goes over a loopback copy instead of a collective). Every token-path call runs under
 ``torch.cuda.set_sync_debug_mode("error")``: a host sync in it fails the
 check. Steps are timed one call at a time (the device is synchronized
 between calls, outside the timed spans): per-call costs, not a pipeline.
@@ -71,9 +72,19 @@ def _timed(roles: list[Role], iters: int, device: torch.device
             for name in host}
 
 
+CARRIERS = ("host", "device")
+"""The carriers e times the device codec with (SyncConfig.carrier)."""
+
+
+def scheme_name(kernels: str, carrier: str) -> str:
+    """A device-codec scheme's name in :data:`Timing`."""
+    return f"ppsync device/{kernels}/{carrier} carrier"
+
+
 def time_schemes(rows: int, spec: int, iters: int, device: str = "cuda:0") -> Timing:
     """Every scheme's (host µs, device µs) per role on ``device`` (GPU 0;
-    "cpu": the tests' dry run, Triton in its interpreter where it imports)."""
+    "cpu": the tests' dry run, Triton in its interpreter where it imports;
+    there both carriers send the frame as it is)."""
     dev = torch.device(device)
     step = fixed_step(rows, spec).to(dev)
     vllm = VllmHostOps(step, dev)
@@ -81,9 +92,10 @@ def time_schemes(rows: int, spec: int, iters: int, device: str = "cuda:0") -> Ti
         ("last rank", vllm.last_before, None),
         ("receiver", lambda: vllm.receiver_after(vllm.receiver_before()), None)], iters, dev)}
     sets = ["torch"] + (["triton"] if triton_error() is None else [])
-    for kernels in sets:
+    for kernels, carrier in ((k, c) for k in sets for c in CARRIERS):
         config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
-                                  timeout_s=30.0, codec="device", device_kernels=kernels)
+                                  timeout_s=30.0, codec="device", device_kernels=kernels,
+                                  carrier=carrier)
         with path_pair(config, dev) as (last, receiver):
             def publish() -> object:
                 return last.publish(step.view, step.tokens, step.num_sampled,
@@ -94,7 +106,7 @@ def time_schemes(rows: int, spec: int, iters: int, device: str = "cuda:0") -> Ti
                 return receiver.post(step.view)
 
             last_side, recv_side = (getattr(p.codec, "side", None) for p in (last, receiver))
-            out[f"ppsync device/{kernels}"] = _timed([
+            out[scheme_name(kernels, carrier)] = _timed([
                 ("last rank", publish, last_side), ("receiver", take_post, recv_side)],
                 iters, dev)
     return out
@@ -132,7 +144,9 @@ def timing_verdict(timing: Timing, *, cuda: bool) -> tuple[bool, str]:
     bad = [f"{scheme} {role}" for scheme, roles in timing.items()
            for role, (host, dev) in roles.items() if host <= 0 or (cuda and dev <= 0)]
     roles_ok = all(set(roles) == {"last rank", "receiver"} for roles in timing.values())
-    schemes_ok = "vllm gpu" in timing and any(k.startswith("ppsync device/") for k in timing)
+    schemes_ok = "vllm gpu" in timing and all(
+        any(k.startswith("ppsync device/") and k.endswith(f"/{c} carrier") for k in timing)
+        for c in CARRIERS)
     if not (roles_ok and schemes_ok):
         return False, f"schemes or roles missing: {sorted(timing)}"
     if bad:

@@ -29,10 +29,11 @@ import torch.distributed as dist
 from ppsync.bench.codec_cpu import path_pair
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
+from ppsync.core.wire.backends import backend as backend_facts
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed, SyncTimeout
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import CarrierName, SyncConfig
 from ppsync.services.runtime import open_rank
 
 Result = dict[str, Any]
@@ -82,9 +83,20 @@ def decode_view(n: int) -> BatchView:
     )
 
 
-def device_config(pp_size: int, **extra: Any) -> SyncConfig:
+def carrier_over(backend: str) -> CarrierName:
+    """The carrier a check's token path names on a ``backend`` token group:
+    a device backend (NCCL) takes device tensors only, so the frame itself
+    goes on it ("device"; the host carrier is refused there); over gloo the
+    default, "host" (through pinned memory; on CPU the frame is sent as it
+    is: ppsync.core.codec.carriers.carrier_for)."""
+    return "host" if backend_facts(backend).device_type == "cpu" else "device"
+
+
+def device_config(pp_size: int, backend: str, **extra: Any) -> SyncConfig:
+    """A device-codec path's configuration for a ``backend`` token group."""
     fields: dict[str, Any] = dict(pp_size=pp_size, max_num_reqs=64, num_speculative_steps=2,
-                                  timeout_s=TIMEOUT_S, codec="device")
+                                  timeout_s=TIMEOUT_S, codec="device",
+                                  carrier=carrier_over(backend))
     fields.update(extra)
     return SyncConfig.build(**fields)
 
@@ -132,7 +144,7 @@ def overwrite_rank(backend: str, steps: int, env: RankEnv) -> Result:
     dev = device_of(env.rank)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
-    path = TokenPath(device_config(2, ring_depth=1), group, device=dev)
+    path = TokenPath(device_config(2, backend, ring_depth=1), group, device=dev)
     n = 8
     view = decode_view(n)
     tokens = torch.empty(n, 3, dtype=torch.int64, device=dev)
@@ -227,7 +239,8 @@ def kill_rank(backend: str, timeout_s: float, kill_at: int, out_dir: str, env: R
     dev = device_of(env.rank)
     group = token_group(dist.group.WORLD, timeout_s=timeout_s,  # type: ignore[arg-type]
                         backend=backend)
-    path = TokenPath(device_config(env.world_size, timeout_s=timeout_s), group, device=dev)
+    path = TokenPath(device_config(env.world_size, backend, timeout_s=timeout_s), group,
+                     device=dev)
     n = 8
     view = decode_view(n)
     tokens = step_tokens(0, n, dev)
@@ -289,7 +302,7 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     dev = device_of(env.rank)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
-    config = device_config(2, ring_depth=1)
+    config = device_config(2, backend, ring_depth=1)
     view = decode_view(8)
     result: Result = {}
 
@@ -344,7 +357,8 @@ def check_g(gpus: int, steps: int = 40) -> tuple[bool, str]:
                           timeout_s=TIMEOUT_S, start_method="spawn")
         wrong = res[0]["wrong_steps"]
         ok &= not wrong
-        parts.append(f"{backend}: {steps - len(wrong)}/{steps} steps original"
+        parts.append(f"{backend} ({carrier_over(backend)} carrier): "
+                     f"{steps - len(wrong)}/{steps} steps original"
                      + (f", overwritten values sent at steps {wrong[:5]}" if wrong else ""))
     if gpus < 2:
         parts.append("nccl: needs >= 2 GPUs")
@@ -369,7 +383,8 @@ def variants_verdict(counts: list[dict[str, int | None]], version: str) -> tuple
 def check_h() -> tuple[bool, str]:
     import triton
 
-    return variants_verdict(variant_counts("triton"), triton.__version__)
+    ok, detail = variants_verdict(variant_counts("triton"), triton.__version__)
+    return ok, f"host carrier (the kernels are the same under either); {detail}"
 
 
 def check_i(gpus: int, timeout_s: float = 5.0) -> tuple[bool, str]:
@@ -380,4 +395,4 @@ def check_i(gpus: int, timeout_s: float = 5.0) -> tuple[bool, str]:
             spawn_ranks(functools.partial(kill_rank, "nccl", timeout_s, 20, tmp), world,
                         timeout_s=timeout_s + 15, start_method="spawn")
         ok, detail = kill_verdict(tmp, world, timeout_s)
-    return ok, f"P={world}, timeout_s={timeout_s}: {detail}"
+    return ok, f"P={world}, device carrier, timeout_s={timeout_s}: {detail}"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ppsync.bench.gpu_steps import sync_guard_live, time_schemes, timing_verdict
 from ppsync.bench.gpu_stream_checks import (
+    carrier_over,
     decode_view,
     device_of,
     late_peer_async_rank,
@@ -66,16 +67,21 @@ def _hot(mode: str, found: list[str]) -> Callable[[], AbstractContextManager[Non
     return functools.partial(no_host_sync, mode, found)
 
 
-def _exact(report: RankReport) -> bool:
+def delivered_exactly(report: RankReport) -> bool:
+    """No row lost, stale, duplicated or corrupt; the last rank sent rows,
+    a receiver got every row it expected."""
     clean = (report.lost, report.stale, report.duplicated, report.corrupt) == (0, 0, 0, 0)
     if report.role == "last":
         return clean and report.rows_sent > 0
     return clean and report.rows_delivered == report.rows_expected > 0
 
 
-def _config(pp_size: int, **extra: Any) -> SyncConfig:
+def _config(pp_size: int, backend: str, **extra: Any) -> SyncConfig:
+    """The device codec over a ``backend`` token group: the device carrier
+    on NCCL (the host carrier is refused there), the host carrier on gloo."""
     return SyncConfig.build(pp_size=pp_size, max_num_reqs=64, num_speculative_steps=2,
-                            timeout_s=TIMEOUT_S, codec="device", **extra)
+                            timeout_s=TIMEOUT_S, codec="device",
+                            carrier=carrier_over(backend), **extra)
 
 
 def _sync(dev: torch.device) -> None:
@@ -94,7 +100,7 @@ def kernel_sets() -> list[str]:
 
 def workload_rank(steps: int, backend: str, mode: str, kernels: str, env: RankEnv) -> Result:
     dev = device_of(env.rank)
-    config = _config(env.world_size, device_kernels=kernels)
+    config = _config(env.world_size, backend, device_kernels=kernels)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
     path = TokenPath(config, group, device=dev)
@@ -102,7 +108,7 @@ def workload_rank(steps: int, backend: str, mode: str, kernels: str, env: RankEn
     found: list[str] = []
     report = run_sync_rank(path, workload_config(config, steps=steps, seed=11),
                            hot=_hot(mode, found))
-    return {"exact": _exact(report), "syncs": found[:3], "report": report.model_dump()}
+    return {"exact": delivered_exactly(report), "syncs": found[:3], "report": report.model_dump()}
 
 
 def one_rank_rank(backend: str, env: RankEnv) -> Result:
@@ -111,7 +117,7 @@ def one_rank_rank(backend: str, env: RankEnv) -> Result:
     dev = device_of(0)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
-    path = TokenPath(_config(1), group, device=dev)
+    path = TokenPath(_config(1, backend), group, device=dev)
     view = decode_view(4)
     tokens = torch.arange(12, device=dev, dtype=torch.int64).view(4, 3)
     ns = torch.full((4,), 3, dtype=torch.int32, device=dev)
@@ -139,7 +145,8 @@ def timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
     nccl = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                        backend=backend)
     config = SyncConfig.build(pp_size=P, max_num_reqs=rows, num_speculative_steps=K,
-                              ring_depth=1, timeout_s=TIMEOUT_S, codec="device")
+                              ring_depth=1, timeout_s=TIMEOUT_S, codec="device",
+                              carrier=carrier_over(backend))
     path = TokenPath(config, nccl, device=dev)
     src = dist.get_global_rank(nccl, P - 1)
     view = decode_view(rows)
@@ -188,7 +195,7 @@ def late_peer_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     dev = device_of(env.rank)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]
                         backend=backend)
-    path = TokenPath(_config(2, ring_depth=1), group, device=dev)
+    path = TokenPath(_config(2, backend, ring_depth=1), group, device=dev)
     view = decode_view(8)
     if path.is_last:
         time.sleep(late_s)  # the late peer
@@ -238,13 +245,14 @@ def check_a(steps: int) -> tuple[bool, str]:
         ok &= good
         details.append(f"{kernels}: {steps} steps, {rows} rows delivered exactly" if good else
                        f"{kernels}: exact={[r['exact'] for r in res]} host syncs: {syncs[:2]}")
-    return ok, "; ".join(details)
+    return ok, "host carrier (the default); " + "; ".join(details)
 
 
 def check_b() -> tuple[bool, str]:
     (res,) = spawn_ranks(functools.partial(one_rank_rank, "nccl"), 1, timeout_s=TIMEOUT_S,
                          start_method="spawn")
-    return bool(res["ok"]), res["detail"] or "one step sent; a bad value raised one call later"
+    return bool(res["ok"]), ("device carrier: " + res["detail"] if res["detail"] else
+                             "device carrier: one step sent; a bad value raised one call later")
 
 
 def check_c(steps: int, gpus: int) -> tuple[bool, str]:
@@ -260,14 +268,16 @@ def check_c(steps: int, gpus: int) -> tuple[bool, str]:
                         start_method="spawn")
     worst = {k: max(t[k] for t in timed) for k in timed[0]}
     figures = ", ".join(f"{k} {v:.0f}" for k, v in worst.items())
-    return True, (f"P={P}, {steps} steps exact ({', '.join(kernel_sets())}); median µs/step "
-                  f"(slowest rank): {figures}")
+    return True, (f"P={P}, device carrier, {steps} steps exact ({', '.join(kernel_sets())}); "
+                  f"median µs/step (slowest rank): {figures}")
 
 
 def check_d(gpus: int, late_s: float = LATE_S) -> tuple[bool, str]:
-    """Over NCCL (>= 2 GPUs) a receive's wait on the main stream would hold
-    the chain; over gloo (one GPU) a post() that blocks the host shows, and
-    a stream-side hold cannot (the CPU twin's engine-stream check stands in)."""
+    """Over NCCL (>= 2 GPUs, the device carrier) a receive's wait on the
+    main stream would hold the chain; over gloo (one GPU, the host carrier:
+    a receive is a gloo receive into pinned memory) a post() that blocks the
+    host shows, and a stream-side hold cannot (the CPU twin's engine-stream
+    check stands in)."""
     backend = "nccl" if gpus >= 2 else "gloo"
     ok, parts = True, []
     for api, rank_fn in (("sync", late_peer_rank), ("async", late_peer_async_rank)):
@@ -277,9 +287,10 @@ def check_d(gpus: int, late_s: float = LATE_S) -> tuple[bool, str]:
         ok &= good
         parts.append(detail)
     scope = ("" if backend == "nccl" else
-             " (gloo, one GPU: a blocking post() shows; a main stream held by a NCCL "
+             " (one GPU: a blocking post() shows; a main stream held by a NCCL "
              "wait needs >= 2 GPUs)")
-    return ok, f"{backend}, peer {late_s:.0f} s late{scope}; " + "; ".join(parts)
+    return ok, (f"{backend} ({carrier_over(backend)} carrier), peer {late_s:.0f} s late{scope}; "
+                + "; ".join(parts))
 
 
 def check_e(rows: int = 256, iters: int = 200) -> tuple[bool, str]:

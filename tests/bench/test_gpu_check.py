@@ -22,10 +22,19 @@ from ppsync.bench import gpu_check
 from ppsync.bench import gpu_stream_checks as stream_checks
 from ppsync.bench import gpu_workload_checks as workload
 from ppsync.bench.fresh import in_fresh_process
-from ppsync.bench.gpu_steps import format_timing, sync_guard_live, time_schemes, timing_verdict
+from ppsync.bench.gpu_steps import (
+    format_timing,
+    scheme_name,
+    sync_guard_live,
+    time_schemes,
+    timing_verdict,
+)
+from ppsync.core.codec import check_frames
 from ppsync.core.codec.device_kernels import triton_error
-from ppsync.errors import RankFailed
+from ppsync.core.wire.completion import StreamOrdered
+from ppsync.errors import ConfigError, RankFailed
 from ppsync.harness.launcher import spawn_ranks
+from ppsync.schemas.config import SyncConfig
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU dry run; on a GPU run make gpu-check")
@@ -73,23 +82,38 @@ def test_dry_run_workload_is_exact_on_two_ranks(kernels: str) -> None:
 def test_dry_run_per_step_timing_names_every_scheme() -> None:
     timing = in_fresh_process(time_schemes, 8, 2, 3, "cpu")
     sets = ["torch"] + (["triton"] if triton_error() is None else [])
-    assert list(timing) == ["vllm gpu", *(f"ppsync device/{k}" for k in sets)]
+    assert list(timing) == ["vllm gpu", *(scheme_name(k, c) for k in sets
+                                          for c in ("host", "device"))]
     for roles in timing.values():
         assert set(roles) == {"last rank", "receiver"}
         assert all(host > 0 and dev == 0 for host, dev in roles.values())
-    assert "ppsync device/torch: last rank" in format_timing(timing)
+    assert "ppsync device/torch/host carrier: last rank" in format_timing(timing)
     assert timing_verdict(timing, cuda=False)[0]
     assert not timing_verdict(timing, cuda=True)[0]  # no device time: events recorded nothing
 
 
 def test_timing_verdict_fails_on_a_missing_role_or_scheme() -> None:
+    both = {"last rank": (3.0, 1.0), "receiver": (3.0, 1.0)}
+    host, device = scheme_name("torch", "host"), scheme_name("torch", "device")
     good = {"vllm gpu": {"last rank": (5.0, 1.0), "receiver": (5.0, 1.0)},
-            "ppsync device/torch": {"last rank": (3.0, 1.0), "receiver": (3.0, 1.0)}}
+            host: both, device: both}
     assert timing_verdict(good, cuda=True) == (True, format_timing(good))
     assert not timing_verdict({"vllm gpu": good["vllm gpu"]}, cuda=True)[0]
-    one_role = {**good, "ppsync device/torch": {"last rank": (3.0, 1.0)}}
+    assert not timing_verdict({k: v for k, v in good.items() if k != device}, cuda=True)[0]
+    one_role = {**good, host: {"last rank": (3.0, 1.0)}}
     assert not timing_verdict(one_role, cuda=True)[0]
     assert sync_guard_live(torch.device("cpu"))  # nothing to catch on CPU
+
+
+def test_checks_over_nccl_name_the_device_carrier_and_over_gloo_the_default() -> None:
+    nccl = StreamOrdered("nccl")
+    assert stream_checks.carrier_over("nccl") == "device"
+    assert stream_checks.carrier_over("gloo") == SyncConfig.model_fields["carrier"].default
+    for config in (workload._config(2, "nccl"), stream_checks.device_config(2, "nccl")):
+        check_frames(config, nccl, "nccl")  # the host carrier would be refused here:
+    refused = workload._config(2, "gloo")
+    with pytest.raises(ConfigError, match="carrier = 'host' sends frames over gloo"):
+        check_frames(refused, nccl, "nccl")
 
 
 def test_dry_run_one_rank_group_defers_the_bad_value() -> None:

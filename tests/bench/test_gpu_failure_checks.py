@@ -34,7 +34,7 @@ def test_dry_run_exception_probe_ppsync_never_calls_it() -> None:
 
 def test_exception_verdict_fails_when_ppsync_calls_it_or_misreads_the_work() -> None:
     seen = {"torch": "2.11.0+cu130", "completed": True, "ended": True, "ended_well": True,
-            "failure": "None", "ppsync_calls": 0, "steps": 8,
+            "failure": "None", "ppsync_calls": 0, "steps": 8, "carrier": "device",
             "exception": "raised TypeError: Unable to convert function return value"}
     assert failure.exception_verdict(seen)[0]
     assert not failure.exception_verdict({**seen, "ppsync_calls": 1})[0]

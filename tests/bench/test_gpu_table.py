@@ -166,7 +166,7 @@ def test_checks_that_cannot_start_within_the_budget_are_skipped() -> None:
 
 def test_the_checks_fit_the_run_and_each_bound() -> None:
     table = gpu_check.checks(steps=10, gpus=1)
-    assert [c.name[0] for c in table] == list("abcdefghijklm")
+    assert [c.name[0] for c in table] == list("abcdefghijklmnop")
     assert all(60 <= c.bound_s <= 90 for c in table)
     assert {c.name[0] for c in table if c.skip.startswith("1 GPU")} == {"c", "i"}
     assert gpu_check.RUN_BUDGET_S + STACKS_S + KILL_GRACE_S < 360  # make's outer timeout
@@ -177,6 +177,7 @@ def test_the_summary_says_counts_wall_time_and_what_one_gpu_cannot_check() -> No
     rows = [("a) x", "PASS", "", 1.0), ("b) y", "FAIL", "", 2.0), ("c) z", "SKIP", "", 0.0)]
     lines = gpu_check.summary(rows, 123.4, 330, gpus=0)
     assert lines[0] == "gpu-check: 1 passed, 1 failed, 1 skipped; wall time 123.4 s (budget 330 s)"
+    assert lines[1].startswith("carrier: n, o, p not run: ")  # not in these rows
     gaps = lines[-1]
     assert gaps == gpu_check.ONE_GPU_GAPS
     for what in ("an abort across ranks", "NCCL's watchdog", "a pending cross-rank receive"):
