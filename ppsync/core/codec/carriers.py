@@ -30,6 +30,7 @@ when its transfer ended (issued only after its copy ended).
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections import deque
@@ -70,8 +71,14 @@ class CopyStats:
     then): by a later call's pump or by the watcher."""
     where: list[str] = field(default_factory=list)
 
+    def clear(self) -> None:
+        """Back to nothing seen (a process forked from this one)."""
+        self.copy_waits = self.reused_early = self.built = self.deferred = 0
+        self.where.clear()
+
 
 STATS = CopyStats()
+os.register_at_fork(after_in_child=STATS.clear)  # a rank forked by a test or a launcher
 
 
 class Carrier(Protocol):

@@ -85,7 +85,26 @@ def test_a_pinned_buffer_taken_before_its_copy_ended_is_counted() -> None:
         assert COPY_STATS.reused_early == before + 1  # its copy ended: not early
     finally:
         platform.close_stream(side)
-        COPY_STATS.reused_early = before  # ranks forked later by this process start clean
+        COPY_STATS.reused_early = before
+
+
+def _seen_here(env: RankEnv) -> tuple[int, int, int, int]:
+    return (COPY_STATS.built, COPY_STATS.reused_early, COPY_STATS.copy_waits,
+            COPY_STATS.deferred)
+
+
+def test_a_forked_rank_starts_with_nothing_seen() -> None:
+    # this process built a host carrier (the run report of a rank forked from
+    # it must show that rank's own copies, or none: not its parent's)
+    platform = TwinPlatform(torch.device("cpu"), lag_s=0.0)
+    HostCarrier(platform, FrameLayout(SyncConfig.build(pp_size=2, max_num_reqs=4,
+                                                       codec="device")))
+    COPY_STATS.copy_waits += 1
+    try:
+        assert COPY_STATS.built > 0
+        assert spawn_ranks(_seen_here, 1, timeout_s=20.0) == [(0, 0, 0, 0)]
+    finally:
+        COPY_STATS.copy_waits -= 1
 
 
 def _done() -> dist.Work:
