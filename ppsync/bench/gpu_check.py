@@ -5,7 +5,7 @@
 It runs with the interpreter it is started with (a CUDA image's python3:
 no venv, no network; ppsync's own needs carried as wheels: docs/operations.md,
 "GPU check"). Each check runs in a fresh process of its own, bounded (60-90
-s; a worker that overruns is terminated, then killed: ppsync.bench.fresh),
+s; a worker that overruns is terminated, then killed: ppsync.harness.fresh),
 and its row is printed and flushed as soon as it ends. The whole run stays
 within ``--budget`` seconds (default 330): a check gets at most what is
 left, and one that cannot start in time reads SKIP. Its wall time is printed.
@@ -79,8 +79,8 @@ from ppsync.bench import gpu_carrier_checks as carrier
 from ppsync.bench import gpu_failure_checks as failure
 from ppsync.bench import gpu_stream_checks as stream
 from ppsync.bench import gpu_workload_checks as workload
-from ppsync.bench.fresh import Overran, in_fresh_process
 from ppsync.core.codec.device_kernels import triton_error
+from ppsync.harness.fresh import Overran, in_fresh_process
 
 RUN_BUDGET_S = 330.0
 """The whole run's bound (checks not started in it read SKIP)."""

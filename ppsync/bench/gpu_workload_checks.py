@@ -3,7 +3,7 @@ group, the timed frame over NCCL, a late peer, the per-step costs
 (docs/operations.md, "GPU check"; the table: ppsync.bench.gpu_check).
 
 Each ``check_*`` returns (passed, detail) and runs in a fresh process of its
-own (ppsync.bench.fresh); its ranks are fresh processes too (spawned: CUDA
+own (ppsync.harness.fresh); its ranks are fresh processes too (spawned: CUDA
 does not survive a fork). Each rank function also runs on CPU over gloo with
 CPU tensors: the tests' dry run (tests/bench/test_gpu_check.py).
 """

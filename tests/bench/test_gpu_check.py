@@ -21,7 +21,6 @@ import torch
 from ppsync.bench import gpu_check
 from ppsync.bench import gpu_stream_checks as stream_checks
 from ppsync.bench import gpu_workload_checks as workload
-from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.gpu_steps import (
     format_timing,
     scheme_name,
@@ -33,6 +32,7 @@ from ppsync.core.codec import check_frames
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.core.wire.completion import StreamOrdered
 from ppsync.errors import ConfigError, RankFailed
+from ppsync.harness.fresh import in_fresh_process
 from ppsync.harness.launcher import spawn_ranks
 from ppsync.schemas.config import SyncConfig
 

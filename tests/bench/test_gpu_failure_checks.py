@@ -15,9 +15,9 @@ import torch
 
 from ppsync.bench import gpu_capture_check as capture
 from ppsync.bench import gpu_failure_checks as failure
-from ppsync.bench.fresh import in_fresh_process
 from ppsync.core.wire.completion import StreamOrdered
 from ppsync.core.wire.platform import Platform
+from ppsync.harness.fresh import in_fresh_process
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU dry run; on a GPU run make gpu-check")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from ppsync.bench import gpu_check
-from ppsync.bench.fresh import KILL_GRACE_S, STACKS_S, Overran, in_fresh_process
 from ppsync.bench.gpu_check import Check
 from ppsync.bench.gpu_stream_checks import CheckSkipped
+from ppsync.harness.fresh import KILL_GRACE_S, STACKS_S, Overran, in_fresh_process
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
