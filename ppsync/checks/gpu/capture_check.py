@@ -29,14 +29,14 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ppsync.bench.gpu_failure_checks import (
+from ppsync.checks.gpu.failure_checks import (
     TIMEOUT_S,
     Result,
     issued,
     one_rank_group,
     until_completed,
 )
-from ppsync.bench.gpu_stream_checks import device_of
+from ppsync.checks.gpu.stream_checks import device_of
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform, platform_for
 from ppsync.core.wire.rank_watch import RankWatcher

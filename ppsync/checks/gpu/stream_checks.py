@@ -3,7 +3,7 @@ async half): what only a GPU shows, since on gloo a work's future completes
 when the transfer does (docs/design.md; docs/operations.md, "GPU check").
 
 Each rank function also runs on CPU over gloo with CPU tensors, where its
-logic allows: the tests' dry run (tests/bench/test_gpu_check.py). On CUDA,
+logic allows: the tests' dry run (tests/checks/gpu/test_gpu_check.py). On CUDA,
 "a long kernel" is ``torch.cuda._sleep`` on the current stream, so whatever
 is queued behind it on any stream that waits for that stream is still
 pending when the host looks.
@@ -297,7 +297,7 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     """d through the async services: the receiver awaits post() (open_rank,
     ReceiveService.post), then queues a matmul chain on its main stream and
     times both to the chain's end, and post() to the frame's arrival, while
-    the last rank publishes ``late_s`` late (as ppsync.bench.gpu_workload_checks'
+    the last rank publishes ``late_s`` late (as ppsync.checks.gpu.workload_checks'
     late_peer_rank)."""
     dev = device_of(env.rank)
     group = token_group(dist.group.WORLD, timeout_s=TIMEOUT_S,  # type: ignore[arg-type]

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from ppsync.bench import gpu_capture_check as capture
-from ppsync.bench import gpu_failure_checks as failure
+from ppsync.checks.gpu import capture_check as capture
+from ppsync.checks.gpu import failure_checks as failure
 from ppsync.core.wire.completion import StreamOrdered
 from ppsync.core.wire.platform import Platform
 from ppsync.harness.fresh import in_fresh_process

@@ -1,11 +1,11 @@
 """``make gpu-check``'s checks a-e: the workload, a one-rank NCCL token
 group, the timed frame over NCCL, a late peer, the per-step costs
-(docs/operations.md, "GPU check"; the table: ppsync.bench.gpu_check).
+(docs/operations.md, "GPU check"; the table: ppsync.checks.gpu.check).
 
 Each ``check_*`` returns (passed, detail) and runs in a fresh process of its
 own (ppsync.harness.fresh); its ranks are fresh processes too (spawned: CUDA
 does not survive a fork). Each rank function also runs on CPU over gloo with
-CPU tensors: the tests' dry run (tests/bench/test_gpu_check.py).
+CPU tensors: the tests' dry run (tests/checks/gpu/test_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppsync.bench.gpu_steps import sync_guard_live, time_schemes, timing_verdict
-from ppsync.bench.gpu_stream_checks import (
+from ppsync.checks.gpu.steps import sync_guard_live, time_schemes, timing_verdict
+from ppsync.checks.gpu.stream_checks import (
     carrier_over,
     decode_view,
     device_of,
@@ -295,7 +295,7 @@ def check_d(gpus: int, late_s: float = LATE_S) -> tuple[bool, str]:
 
 def check_e(rows: int = 256, iters: int = 200) -> tuple[bool, str]:
     """Per step, per role, on GPU 0: host µs / device µs of each scheme
-    (ppsync.bench.gpu_steps), every token-path call under sync debug "error"
+    (ppsync.checks.gpu.steps), every token-path call under sync debug "error"
     (a host sync raises: FAIL), the guard itself shown live first."""
     dev = device_of(0)
     if not sync_guard_live(dev):

@@ -2,7 +2,7 @@
 a dry run of each check's rank code on CPU over gloo, so the script that a
 GPU session runs once has had its logic exercised here. The table itself
 (bounded fresh processes, rows flushed as they end, the run's budget):
-tests/bench/test_gpu_table.py."""
+tests/checks/gpu/test_gpu_table.py."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from ppsync.bench import gpu_check
-from ppsync.bench import gpu_stream_checks as stream_checks
-from ppsync.bench import gpu_workload_checks as workload
-from ppsync.bench.gpu_steps import (
+from ppsync.checks.gpu import check as gpu_check
+from ppsync.checks.gpu import stream_checks
+from ppsync.checks.gpu import workload_checks as workload
+from ppsync.checks.gpu.steps import (
     format_timing,
     scheme_name,
     sync_guard_live,
@@ -38,7 +38,7 @@ from ppsync.schemas.config import SyncConfig
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU dry run; on a GPU run make gpu-check")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_without_cuda_it_exits_2_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,7 +54,7 @@ def _python(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_run_as_a_module_it_exits_2_without_a_traceback() -> None:
-    done = _python("-m", "ppsync.bench.gpu_check")
+    done = _python("-m", "ppsync.checks.gpu.check")
     assert done.returncode == 2, done.stderr
     assert "gpu-check: not run: no CUDA device" in done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
@@ -62,7 +62,7 @@ def test_run_as_a_module_it_exits_2_without_a_traceback() -> None:
 
 def test_without_pydantic_import_says_what_to_install() -> None:
     hidden = "import sys; sys.modules['pydantic'] = None; "  # import pydantic fails then
-    done = _python("-c", hidden + "import ppsync.bench.gpu_check")
+    done = _python("-c", hidden + "import ppsync.checks.gpu.check")
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: ppsync needs pydantic"), last

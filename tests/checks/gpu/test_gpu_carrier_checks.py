@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ppsync.bench import gpu_carrier_checks as carrier
-from ppsync.bench import gpu_check
+from ppsync.checks.gpu import carrier_checks as carrier
+from ppsync.checks.gpu import check as gpu_check
 from ppsync.harness.launcher import spawn_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),

@@ -1,6 +1,6 @@
 """``make gpu-check``: the device path on a GPU machine, as one command.
 
-    python3 -m ppsync.bench.gpu_check [--steps N] [--budget S]
+    python3 -m ppsync.checks.gpu.check [--steps N] [--budget S]
 
 It runs with the interpreter it is started with (a CUDA image's python3:
 no venv, no network; ppsync's own needs carried as wheels: docs/operations.md,
@@ -26,7 +26,7 @@ d) a late peer: post() and the main stream's work are not held (NCCL and
 e) per step, per role: host / device µs of vLLM's scheme and the device
    codec with each carrier; no host sync in ppsync's calls (the guard
    shown live first).
-   (a-e: ppsync.bench.gpu_workload_checks)
+   (a-e: ppsync.checks.gpu.workload_checks)
 f) a one-rank NCCL broadcast behind a long kernel: future done, work not
    completed (asserted: the premise of stream-ordered completion).
 g) the engine overwrites its sampler outputs right after publish (gloo:
@@ -34,16 +34,16 @@ g) the engine overwrites its sampler outputs right after publish (gloo:
 h) Triton's compiled variants stay flat across row counts.
 i) >= 2 GPUs: kill -9 of the last rank (NCCL, device carrier); every
    survivor names it.
-   (f-i: ppsync.bench.gpu_stream_checks)
+   (f-i: ppsync.checks.gpu.stream_checks)
 j) ``Work.exception()`` on this torch; ppsync's completion never calls it
    (its path steps: device carrier).
 k) the abort of a pending one-rank broadcast: what NCCL says, how long it
    took, and that ppsync counts the work failed with the abort's cause.
 l) ``is_completed()`` µs per call.
-   (j-l: ppsync.bench.gpu_failure_checks)
+   (j-l: ppsync.checks.gpu.failure_checks)
 m) a CUDA graph captured while ppsync's deadline guard polls a pending
    work (and, reported only, the services' loop from another thread)
-   (ppsync.bench.gpu_capture_check).
+   (ppsync.checks.gpu.capture_check).
 n) P = 2 and 3 ranks on GPU 0 over gloo, the host carrier: the workload
    at K = 0 and 3, exact; no copy waited on, no pinned buffer reused
    early; every token-path call under sync debug "error".
@@ -51,7 +51,7 @@ o) the host carrier: a torch.profiler trace of each rank's steps holds no
    NCCL kernel (the kernels seen counted).
 p) the host carrier: a matmul loop with the token path's calls within
    1.02x of the same loop without them, on every rank (P = 2 and 3).
-   (n-p: ppsync.bench.gpu_carrier_checks)
+   (n-p: ppsync.checks.gpu.carrier_checks)
 
 The summary's carrier line says what the run's n, o and p show of the host
 carrier as the default, and what a GPU run would have to show to change it.
@@ -74,11 +74,11 @@ from typing import TextIO
 
 import torch
 
-from ppsync.bench import gpu_capture_check as capture
-from ppsync.bench import gpu_carrier_checks as carrier
-from ppsync.bench import gpu_failure_checks as failure
-from ppsync.bench import gpu_stream_checks as stream
-from ppsync.bench import gpu_workload_checks as workload
+from ppsync.checks.gpu import capture_check as capture
+from ppsync.checks.gpu import carrier_checks as carrier
+from ppsync.checks.gpu import failure_checks as failure
+from ppsync.checks.gpu import stream_checks as stream
+from ppsync.checks.gpu import workload_checks as workload
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.harness.fresh import Overran, in_fresh_process
 
@@ -201,7 +201,7 @@ def summary(rows: list[Row], wall_s: float, budget_s: float, gpus: int) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
-    ap = argparse.ArgumentParser(prog="python3 -m ppsync.bench.gpu_check",
+    ap = argparse.ArgumentParser(prog="python3 -m ppsync.checks.gpu.check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000, help="workload steps in a and c")
     ap.add_argument("--carrier-steps", type=int, default=carrier.STEPS,
@@ -226,6 +226,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # through the package name, so fresh processes unpickle the checks by it
-    from ppsync.bench import gpu_check
+    from ppsync.checks.gpu import check as gpu_check
 
     sys.exit(gpu_check.main())

@@ -1,6 +1,6 @@
 """``make gpu-check``'s one-GPU checks of NCCL's failure path (j-l), each on a
 one-rank NCCL token group, in a fresh process of its own (issue 32; the
-table: ppsync.bench.gpu_check):
+table: ppsync.checks.gpu.check):
 
 j) ``Work.exception()`` on this torch (TypeError before PyTorch PR #184697)
    and ppsync's completion of the same work; ppsync never calls it.
@@ -10,7 +10,7 @@ k) a broadcast queued behind ``torch.cuda._sleep``, then ppsync's abort of
    ppsync's completion counts the work failed with the abort's cause.
 l) ``is_completed()`` µs per call, on a completed and on a pending work.
 (m, a CUDA graph captured while a pending work is polled, and the shared
-helpers' users: ppsync.bench.gpu_capture_check.)
+helpers' users: ppsync.checks.gpu.capture_check.)
 
 Each probe returns what it saw (a dict) and a ``*_verdict`` judges it; the
 probes also run on CPU over gloo (the tests' dry run), where nothing stays
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppsync.bench.gpu_stream_checks import carrier_over, decode_view, device_of, long_kernel
+from ppsync.checks.gpu.stream_checks import carrier_over, decode_view, device_of, long_kernel
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.completion import Completion, completion_for
 from ppsync.core.wire.groups import token_group

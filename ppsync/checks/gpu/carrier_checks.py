@@ -1,5 +1,5 @@
 """``make gpu-check``'s checks of the host carrier, the default (n-p;
-docs/design.md, "The carrier"; the table: ppsync.bench.gpu_check). Every
+docs/design.md, "The carrier"; the table: ppsync.checks.gpu.check). Every
 rank sits on GPU 0 and its token group is gloo: the frames go through
 pinned memory, as they do by default on a GPU.
 
@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, fixed_step
-from ppsync.bench.gpu_steps import sync_guard_live
-from ppsync.bench.gpu_stream_checks import device_of
-from ppsync.bench.gpu_workload_checks import delivered_exactly, no_host_sync
+from ppsync.checks.gpu.steps import sync_guard_live
+from ppsync.checks.gpu.stream_checks import device_of
+from ppsync.checks.gpu.workload_checks import delivered_exactly, no_host_sync
 from ppsync.core.codec.carriers import STATS as COPY_STATS
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.completion import emulate

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from ppsync.bench import gpu_check
-from ppsync.bench.gpu_check import Check
-from ppsync.bench.gpu_stream_checks import CheckSkipped
+from ppsync.checks.gpu import check as gpu_check
+from ppsync.checks.gpu.check import Check
+from ppsync.checks.gpu.stream_checks import CheckSkipped
 from ppsync.harness.fresh import KILL_GRACE_S, STACKS_S, Overran, in_fresh_process
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SLACK_S = 20.0
 """What a loaded CI machine may add to a bound (starting the interpreter)."""
 
@@ -197,7 +197,7 @@ def _make_n(*args: str) -> str:
 def test_make_gpu_check_with_python_runs_it_as_it_is() -> None:
     dry = _make_n("gpu-check", "PYTHON=python3")
     assert "venv" not in dry and "pip" not in dry  # nothing built, nothing fetched
-    assert "timeout -k 10 360 python3 -m ppsync.bench.gpu_check" in dry
+    assert "timeout -k 10 360 python3 -m ppsync.checks.gpu.check" in dry
 
 
 def test_make_gpu_wheels_fetches_what_a_cuda_image_lacks_for_python_3_12() -> None:
