@@ -1,6 +1,6 @@
 """What one flight-recorder dump costs at a given capacity: a recorder filled
 to ``--events`` events, written twice and read back (``ppsync dump show``'s
-loader), timed. ``python -m ppsync.bench.dump_cost --events 262144``."""
+loader), timed. ``python -m ppsync.probes.dump_cost --events 262144``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the event loop pays to learn that a gloo transfer completed:
 
-    python -m ppsync.bench.wakeup [--iters 4000] [--block 100] [--backend asyncio]
+    python -m ppsync.probes.wakeup [--iters 4000] [--block 100] [--backend asyncio]
 
 Two local gloo ranks ping-pong a small broadcast (rank 0 sends, then rank 1),
 each rank awaiting every transfer with ``ppsync.services.awaiting.await_work``
@@ -71,7 +71,7 @@ def _rank(iters: int, block: int, backend: str, bound_s: float, env: RankEnv) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ppsync.bench.wakeup",
+    ap = argparse.ArgumentParser(prog="python -m ppsync.probes.wakeup",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=4000)
     ap.add_argument("--block", type=int, default=100)
@@ -93,6 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ppsync.bench import wakeup
+    from ppsync.probes import wakeup
 
     sys.exit(wakeup.main())

@@ -1,5 +1,5 @@
 """What the SGLang guard costs per PP message and per transfer, in µs of CPU
-(``python -m ppsync.bench.sglang_guard [--reqs N] [--iters N]``).
+(``python -m ppsync.probes.sglang_guard [--reqs N] [--iters N]``).
 
 Measures the plugin's own hooks (ppsync.compat.sglang.hooks), not a copy:
 
@@ -117,7 +117,7 @@ def measure(reqs: int, iters: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ppsync.bench.sglang_guard",
+    p = argparse.ArgumentParser(prog="python -m ppsync.probes.sglang_guard",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--reqs", type=int, default=8, help="requests in the batch")
     p.add_argument("--iters", type=int, default=20000, help="timed calls per figure")
