@@ -8,5 +8,7 @@ imports a probe.
 
 - wakeup.py: what the event loop pays per wait to learn a transfer ended;
 - dump_cost.py: what one flight-recorder dump costs at a given capacity;
-- sglang_guard.py: the SGLang guard's hooks per PP message and transfer.
+- sglang_guard.py: the SGLang guard's hooks per PP message and transfer;
+- heartbeat.py: the heartbeats' store calls, watcher CPU and beat intervals
+  under load.
 """
