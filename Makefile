@@ -101,10 +101,10 @@ GPU_CHECK_RUN = TRITON_INTERPRET=0 PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONP
 	timeout -k 10 360
 ifdef PYTHON
 gpu-check:
-	$(GPU_CHECK_RUN) $(PYTHON) -m ppsync.bench.gpu_check $(GPU_CHECK_FLAGS)
+	$(GPU_CHECK_RUN) $(PYTHON) -m ppsync.checks.gpu.check $(GPU_CHECK_FLAGS)
 else
 gpu-check: $(STAMP)
-	$(GPU_CHECK_RUN) $(PY) -m ppsync.bench.gpu_check $(GPU_CHECK_FLAGS)
+	$(GPU_CHECK_RUN) $(PY) -m ppsync.checks.gpu.check $(GPU_CHECK_FLAGS)
 endif
 
 # Here, where pip reaches an index: the wheels a CUDA image's Python lacks for

@@ -61,8 +61,8 @@ def test_layout_names_every_module_and_only_those() -> None:
 
 
 def test_cited_paths_exist() -> None:
-    cited = re.findall(r"`((?:ppsync/)?(?:core|compat|services|harness|bench|debug|schemas)"
-                       r"/[\w/]*\.py)", DESIGN.read_text())
+    cited = re.findall(r"`((?:ppsync/)?(?:core|compat|services|harness|bench|checks|probes|debug"
+                       r"|schemas)/[\w/]*\.py)", DESIGN.read_text())
     missing = [c for c in cited
                if not (ROOT / (c if c.startswith("ppsync/") else f"ppsync/{c}")).exists()]
     assert missing == []

@@ -7,11 +7,16 @@ parsed by the ``ppsync`` parser (nothing runs), and a make line by ``make
 Placeholders a reader fills in are read as written where they parse, and
 else: ``a|b`` is each alternative, ``launch/run`` each subcommand, ``...``
 nothing, ``[--flag]`` the flag, ``$VAR`` a number.
+
+Every module that a ``-m`` names there, in the Makefile or in the package
+(a usage line, a child's command) exists: a module that moves takes its
+command lines with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import itertools
 import re
@@ -170,3 +175,43 @@ def test_placeholders_are_each_reading() -> None:
     assert check_command("ppsync dump show DIR/*.jsonl [--json]") is None
     assert check_command("ppsync bench --pp-size 2 --rows 256 --spec 0|3") is None
     assert check_command("ppsync launch/run --emulate nccl --codec device") is not None
+
+
+# ``-m ppsync.x.y`` across a line break too, or in a child's argv (``"-m",
+# "ppsync.x.y"``): the module a reader, a recipe or a check runs. Lower-case
+# parts only, so a placeholder such as ``ppsync.probes.NAME`` is read up to
+# its package.
+_MODULE = re.compile(r"""-m[\s"',]+(ppsync(?:\.[a-z_][a-z0-9_]*)*)\b""")
+
+
+def run_modules(text: str) -> set[str]:
+    """The modules ``text`` runs with ``python -m``."""
+    return set(_MODULE.findall(text))
+
+
+def module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a package on the way is gone
+        return False
+
+
+def test_every_module_the_docs_and_the_makefile_run_exists() -> None:
+    """A module that moves leaves no ``python -m`` line behind it: in the
+    docs, the Makefile, or the package's own usage lines and child commands."""
+    sources = [*DOCS, REPO / "Makefile", *sorted((REPO / "ppsync").rglob("*.py"))]
+    named = {(src.relative_to(REPO).as_posix(), mod)
+             for src in sources for mod in run_modules(src.read_text())}
+    assert len(named) > 10, named
+    missing = sorted((src, mod) for src, mod in named if not module_exists(mod))
+    assert missing == []
+
+
+def test_a_module_that_is_gone_is_seen() -> None:
+    text = ("python -m\n   ppsync.bench.gpu_check; make runs -m ppsync.probes.NAME;\n"
+            '[sys.executable, "-m", "ppsync.harness.vllm_check.engine", spec]')
+    assert run_modules(text) == {"ppsync.bench.gpu_check", "ppsync.probes",
+                                 "ppsync.harness.vllm_check.engine"}
+    assert not module_exists("ppsync.bench.gpu_check")
+    assert not module_exists("ppsync.harness.vllm_check.engine")
+    assert module_exists("ppsync.checks.vllm.engine")

@@ -25,11 +25,13 @@ def test_all_lists_every_public_name() -> None:
     assert public == set(ppsync.__all__)
 
 
-# harness, bench and debug are users of the library, like an engine; the
-# benchmarks spawn their ranks with the harness's launcher, so bench sits above it.
+# harness, bench, debug, checks and probes are users of the library, like an
+# engine; the benchmarks spawn their ranks with the harness's launcher, so
+# bench sits above it; the checks and the probes may use both, and nothing but
+# the cli uses a check.
 LAYER = {
     "errors": 0, "schemas": 1, "core": 2, "compat": 3, "services": 3,
-    "harness": 4, "debug": 4, "bench": 5, "cli": 6,
+    "harness": 4, "debug": 4, "bench": 5, "checks": 6, "probes": 6, "cli": 7,
 }
 
 

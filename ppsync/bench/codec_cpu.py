@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, cpu_now, fixed_step
-from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.loopback import LoopbackLink
 from ppsync.bench.phases import PhaseTimer, clock_overhead_ns, phase_table
 from ppsync.bench.stats import pct_us
@@ -44,6 +43,7 @@ from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.codec.cpu_kernels import numba_error
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.transport import TransportClock
+from ppsync.harness.fresh import in_fresh_process
 from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.config import HostKernelsName, SyncConfig
 

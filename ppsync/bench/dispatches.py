@@ -43,10 +43,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ppsync.bench.codec_cpu import _step_calls, path_pair
 from ppsync.bench.common import fixed_step
-from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.vllm_scheme import VllmHostOps
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.core.path.token_path import TokenPath
+from ppsync.harness.fresh import in_fresh_process
 from ppsync.schemas.bench import Target
 from ppsync.schemas.config import SyncConfig
 

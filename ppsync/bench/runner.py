@@ -27,7 +27,6 @@ from ppsync.bench.codec_cpu import hot_config, path_cpu
 from ppsync.bench.common import Heartbeat, idle_loop, rank_ctx, world_barrier
 from ppsync.bench.cpu import recorder_cpu
 from ppsync.bench.dispatches import Counts, call_targets, count_all, format_table
-from ppsync.bench.fresh import in_fresh_process
 from ppsync.bench.lockstep import VARIANTS, LockstepRankResult, lockstep_rank
 from ppsync.bench.pipelined import (
     SCHEMES,
@@ -37,6 +36,7 @@ from ppsync.bench.pipelined import (
 )
 from ppsync.bench.stats import pct_us, ratio
 from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.harness.fresh import in_fresh_process
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.bench import (
     BenchOptions,

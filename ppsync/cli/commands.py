@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
+from ppsync.checks.vllm.healthy import HEALTHY
 from ppsync.cli.parser import IDLE_S, PP_SIZE_ONE, SLOW_S
 from ppsync.core.codec import check_frames
 from ppsync.core.codec.cpu_kernels import resolve_cpu_kernels
@@ -37,7 +38,6 @@ from ppsync.debug.paths import check_output_file
 from ppsync.errors import ConfigError, PPSyncError, Stopped
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.run import format_table, run_local
-from ppsync.harness.vllm_check.healthy import HEALTHY
 from ppsync.harness.world import WorldEnv, joining
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
@@ -49,8 +49,8 @@ MISMATCH_TIMEOUT_S = 20.0  # with --mismatch: the start-up agreement's bound
 
 
 def _vllm_check(args: argparse.Namespace) -> int:
+    from ppsync.checks.vllm import VllmCheckOptions, run_check
     from ppsync.compat.vllm.settings import settings_from_env
-    from ppsync.harness.vllm_check import VllmCheckOptions, run_check
 
     if args.hidden % 32:
         raise ConfigError(f"--hidden = {args.hidden} must be a multiple of 32 (the head size)")
@@ -121,7 +121,7 @@ def check_nodes_arguments(args: argparse.Namespace) -> None:
 
 
 def _sglang_check(args: argparse.Namespace) -> int:
-    from ppsync.harness.sglang_check import SglangCheckOptions, run_check
+    from ppsync.checks.sglang import SglangCheckOptions, run_check
 
     return run_check(SglangCheckOptions(
         cases=args.fault or ["none", "desync"], timeout_s=args.timeout, silent_s=args.silent,

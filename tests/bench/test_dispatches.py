@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ppsync.bench.dispatches import SCHEMES, call_targets, count_all, main
-from ppsync.bench.fresh import in_fresh_process
 from ppsync.core.codec.device_kernels import triton_error
+from ppsync.harness.fresh import in_fresh_process
 
 TRITON = triton_error()
 

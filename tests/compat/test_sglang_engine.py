@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ppsync.harness.sglang_check.check import SglangCheckOptions, run_case
+from ppsync.checks.sglang.check import SglangCheckOptions, run_case
 
 ROOT = Path(__file__).resolve().parents[2]
 
