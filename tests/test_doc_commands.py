@@ -31,7 +31,7 @@ _BIN = re.compile(r"^(?:\$ )?(?:[\w.$()/-]*/bin/)?")
 _START = re.compile(r"^(ppsync|make|torchrun)\s")
 
 
-def _candidates(text: str) -> Iterator[tuple[int, str]]:
+def candidates(text: str) -> Iterator[tuple[int, str]]:
     """(line number, command) of every shell line and inline span in ``text``."""
     fence: str | None = None
     held = ""  # a code line continued with a backslash
@@ -58,7 +58,7 @@ def _commands(text: str) -> Iterator[tuple[int, str]]:
     """The commands to check: one per ``&&`` part, without a prompt, the
     variables set before it, a venv's bin/ prefix, a trailing comment or a
     pipe's reader."""
-    for no, cand in _candidates(text):
+    for no, cand in candidates(text):
         for part in cand.split("&&"):
             part = part.split(" # ")[0].split(" | ")[0].strip()
             part = _BIN.sub("", re.sub(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+", "", part))
