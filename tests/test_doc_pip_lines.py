@@ -3,13 +3,15 @@
 Each line runs, with pip, in a copy of this repository (what a clone holds,
 as a reader's checkout does) from its root, into a throwaway venv that sees
 this environment's packages (torch and the rest are not downloaded again:
-``--no-deps``, ``--no-build-isolation``); then that venv imports ppsync from
-what the line installed and finds both engines' plugin entry points. A line
-that names a path the clone does not have (``pip install ./ppsync``) fails.
+``--no-deps``, and ``--no-build-isolation`` where setuptools is here); then
+that venv imports ppsync from what the line installed and finds both
+engines' plugin entry points. A line that names a path the clone does not
+have (``pip install ./ppsync``) fails.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -62,10 +64,13 @@ def install(line: str, clone: Path, env_dir: Path) -> subprocess.CompletedProces
     words = shlex.split(line)
     assert words[:2] == ["pip", "install"], line
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # The build backend from this environment where it has one; else (no
+    # setuptools in a Python 3.12 venv) pip fetches it as `make venv` did.
+    local_build = (["--no-build-isolation", "--no-index"]
+                   if importlib.util.find_spec("setuptools") is not None else [])
     return subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
-         "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         *words[2:]],
+         "install", "-q", "--no-deps", *local_build, *words[2:]],
         cwd=clone, env=env, capture_output=True, text=True, timeout=240)
 
 
