@@ -6,7 +6,9 @@ parsed by the ``ppsync`` parser (nothing runs), and a make line by ``make
 
 Placeholders a reader fills in are read as written where they parse, and
 else: ``a|b`` is each alternative, ``launch/run`` each subcommand, ``...``
-nothing, ``[--flag]`` the flag, ``$VAR`` a number.
+nothing, ``[--flag]`` the flag, ``$VAR`` a number. The README's ``pip
+install`` lines are run for real by tests/test_doc_pip_lines.py, and its
+torchrun lines of ``examples/embed_anyio.py`` by tests/test_examples.py.
 """
 
 from __future__ import annotations
