@@ -6,7 +6,9 @@ parsed by the ``ppsync`` parser (nothing runs), and a make line by ``make
 
 Placeholders a reader fills in are read as written where they parse, and
 else: ``a|b`` is each alternative, ``launch/run`` each subcommand, ``...``
-nothing, ``[--flag]`` the flag, ``$VAR`` a number.
+nothing, ``[--flag]`` the flag, ``$VAR`` a number. The README's ``pip
+install`` lines are run for real by tests/test_doc_pip_lines.py, and its
+torchrun lines of ``examples/embed_anyio.py`` by tests/test_examples.py.
 
 Every module that a ``-m`` names there, in the Makefile or in the package
 (a usage line, a child's command) exists: a module that moves takes its
@@ -36,7 +38,7 @@ _BIN = re.compile(r"^(?:\$ )?(?:[\w.$()/-]*/bin/)?")
 _START = re.compile(r"^(ppsync|make|torchrun)\s")
 
 
-def _candidates(text: str) -> Iterator[tuple[int, str]]:
+def candidates(text: str) -> Iterator[tuple[int, str]]:
     """(line number, command) of every shell line and inline span in ``text``."""
     fence: str | None = None
     held = ""  # a code line continued with a backslash
@@ -63,7 +65,7 @@ def _commands(text: str) -> Iterator[tuple[int, str]]:
     """The commands to check: one per ``&&`` part, without a prompt, the
     variables set before it, a venv's bin/ prefix, a trailing comment or a
     pipe's reader."""
-    for no, cand in _candidates(text):
+    for no, cand in candidates(text):
         for part in cand.split("&&"):
             part = part.split(" # ")[0].split(" | ")[0].strip()
             part = _BIN.sub("", re.sub(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+", "", part))

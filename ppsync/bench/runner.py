@@ -11,7 +11,7 @@ timestamps: max(out) - min(in) per iteration), adds the hot own-CPU figure
 of the real token path (``codec_cpu.path_cpu``: a last rank's and a
 receiver's path in one process, a tight loop of publish / consume + post),
 the flight recorder's CPU (``bench.cpu``), the ratios and the targets
-(:data:`TARGETS`, issue 20's: goals, printed for their configuration only).
+(:data:`TARGETS`: goals, printed for their configuration only).
 Benchmarks report figures; nothing here asserts a timing.
 """
 
@@ -223,7 +223,7 @@ TARGETS: dict[str, tuple[float, float]] = {
 }
 """The bench targets, the one definition (docs/measured.md quotes it, and a
 test compares): name -> (limit at K = 0, limit at K = 3). Goals set for
-:data:`REFERENCE` (issue 20's), reported with met / MISSED, never checked."""
+:data:`REFERENCE`, reported with met / MISSED, never checked."""
 REFERENCE = "P=2, 256 rows, K=0 or 3, C=400 us, no --hidden"
 """The configuration the targets were set for, in words."""
 

@@ -1,4 +1,4 @@
-"""``make gpu-check``'s check m (issue 32, item 7): a CUDA graph captured on
+"""``make gpu-check``'s check m: a CUDA graph captured on
 the main thread (global capture mode: torch's default, vLLM's) while a
 pending work of a one-rank NCCL token group is polled from another thread:
 

@@ -1,5 +1,5 @@
 """``make gpu-check``'s one-GPU checks of NCCL's failure path (j-l), each on a
-one-rank NCCL token group, in a fresh process of its own (issue 32; the
+one-rank NCCL token group, in a fresh process of its own (the
 table: ppsync.checks.gpu.check):
 
 j) ``Work.exception()`` on this torch (TypeError before PyTorch PR #184697)
