@@ -19,9 +19,9 @@ from ppsync.schemas.config import (
     DEFAULT_TIMEOUT_S,
     CarrierName,
     CodecName,
+    CpuKernelsName,
     DeviceKernelsName,
     EmulatedName,
-    HostKernelsName,
     SyncConfig,
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
@@ -104,6 +104,21 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+class _Renamed(argparse.Action):
+    """A flag's old spelling: no alias (no release has shipped under it), one
+    line naming the new one, exit 2."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str,
+                 **_: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, argparse.SUPPRESS, nargs="?",
+                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.exit(2, f"{parser.prog}: error: {option_string} is now {self.new}\n")
+
+
 SECONDS_MAX = field_bounds(SyncConfig, "timeout_s")[2] or 86400.0
 """The longest bound a flag takes: SyncConfig's timeout's."""
 
@@ -147,10 +162,11 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
                     help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
                     "CUDA/XPU where it imports, else torch); only with --codec device")
-    la.add_argument("--host-kernels", choices=get_args(HostKernelsName), default="auto",
+    la.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName), default="auto",
                     help="the host-side kernels (the batch facts, with either codec; the frames "
                     "too with --codec host): numba, numpy or auto (numba where it loads, "
                     "else numpy)")
+    la.add_argument("--host-kernels", action=_Renamed, new="--cpu-kernels")
     la.add_argument("--timeout", type=_sync("timeout_s"), default=DEFAULT_TIMEOUT_S,
                     help="bound on one wait for a live peer (s), from the wait's start; "
                     "launch ends a rank that completes no step for this long plus a grace")
@@ -266,8 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     vc.add_argument("--carrier", choices=get_args(CarrierName), default=None,
                     help="how ppsync's device frames travel in its run (PPSYNC_CARRIER; none: "
                     "host)")
-    vc.add_argument("--host-kernels", choices=["auto", "numba", "numpy"], default=None,
-                    help="ppsync's host kernels in its run (PPSYNC_HOST_KERNELS)")
+    vc.add_argument("--cpu-kernels", choices=["auto", "numba", "numpy"], default=None,
+                    help="ppsync's CPU kernels in its run (PPSYNC_CPU_KERNELS)")
+    vc.add_argument("--host-kernels", action=_Renamed, new="--cpu-kernels")
     vc.add_argument("--device-kernels", choices=["auto", "triton", "torch"], default=None,
                     help="ppsync's device kernels in its run (PPSYNC_DEVICE_KERNELS)")
     vc.add_argument("--emulate", choices=get_args(EmulatedName), default=None,

@@ -265,7 +265,7 @@ def with_kernels(report: RankReport, path: TokenPath) -> RankReport:
     """``report`` naming the kernel sets ``path`` resolved ("auto" chosen)."""
     device = path.codec.device_kernels_name
     return report.model_copy(update={
-        "host_kernels": path.codec.kernels.name,
+        "cpu_kernels": path.codec.kernels.name,
         "device_kernels": None if device == "none" else device})
 
 

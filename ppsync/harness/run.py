@@ -161,12 +161,12 @@ def verdict_line(report: RunReport) -> str:
         verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"
     else:
         verdict = "FAULTS"
-    host = _kernels([r.host_kernels for r in report.ranks])
-    kernels = (f"host_kernels={host if host != '-' else c.host_kernels}" if c.codec == "host"
+    host = _kernels([r.cpu_kernels for r in report.ranks])
+    kernels = (f"cpu_kernels={host if host != '-' else c.cpu_kernels}" if c.codec == "host"
                else f"device_kernels={_kernels([r.device_kernels for r in report.ranks])} "
-               f"host_kernels={host}")
+               f"cpu_kernels={host}")
     if report.ended is not None:  # the ranks could not say what they resolved
-        kernels = f"host_kernels={c.host_kernels}" + (
+        kernels = f"cpu_kernels={c.cpu_kernels}" + (
             f" device_kernels={c.device_kernels}" if c.codec == "device" else "")
     emulate = f" emulate={report.emulate}" if report.emulate else ""
     mode = report.framework or report.mode

@@ -28,9 +28,9 @@ from ppsync.compat.vllm import PPHandler, plugin
 from ppsync.compat.vllm.plugin import ENV_SWITCH, EXIT_STATUS, MODEL_RUNNER, PP_UTILS, register
 from ppsync.compat.vllm.settings import (
     ENV_CODEC,
+    ENV_CPU_KERNELS,
     ENV_DEVICE_KERNELS,
     ENV_EMULATE,
-    ENV_HOST_KERNELS,
     ENV_ON_ERROR,
     ENV_SILENT,
     ENV_TIMEOUT,
@@ -55,7 +55,7 @@ def parse(**env: str) -> PluginSettings:
 
 
 def test_unset_gives_todays_defaults() -> None:
-    assert parse() == PluginSettings(codec=None, host_kernels="auto", device_kernels="auto",
+    assert parse() == PluginSettings(codec=None, cpu_kernels="auto", device_kernels="auto",
                                      timeout_s=DEFAULT_TIMEOUT_S, silent_s=DEFAULT_SILENT_S,
                                      emulate=None, dump_dir=None, on_error="exit")
     assert parse(PPSYNC_CODEC="", PPSYNC_TIMEOUT_S=" ", PPSYNC_SILENT_S="") == parse()
@@ -68,13 +68,20 @@ def test_codec() -> None:
         parse(PPSYNC_CODEC="gpu")
 
 
-def test_host_kernels() -> None:
-    assert parse(PPSYNC_HOST_KERNELS="numpy").host_kernels == "numpy"
-    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS = 'jit' must be one of auto, "
+def test_cpu_kernels() -> None:
+    assert parse(PPSYNC_CPU_KERNELS="numpy").cpu_kernels == "numpy"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_CPU_KERNELS = 'jit' must be one of auto, "
                                           r"numba, numpy$"):
-        parse(PPSYNC_HOST_KERNELS="jit")
+        parse(PPSYNC_CPU_KERNELS="jit")
     if numba_error() is None:
-        assert parse(PPSYNC_HOST_KERNELS="numba").host_kernels == "numba"
+        assert parse(PPSYNC_CPU_KERNELS="numba").cpu_kernels == "numba"
+
+
+def test_the_old_name_of_the_cpu_kernels_variable_is_refused_naming_the_new() -> None:
+    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS is now PPSYNC_CPU_KERNELS$"):
+        parse(PPSYNC_HOST_KERNELS="numpy")
+    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS is now PPSYNC_CPU_KERNELS$"):
+        parse(PPSYNC_HOST_KERNELS="numpy", PPSYNC_CPU_KERNELS="numpy")
 
 
 def test_device_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +169,7 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize(("name", "value"), [
-    (ENV_CODEC, "gpu"), (ENV_HOST_KERNELS, "jit"), (ENV_DEVICE_KERNELS, "cuda"),
+    (ENV_CODEC, "gpu"), (ENV_CPU_KERNELS, "jit"), (ENV_DEVICE_KERNELS, "cuda"),
     (ENV_TIMEOUT, "-1"), (ENV_EMULATE, "gloo"), (ENV_ON_ERROR, "hang"),
 ])
 def test_a_bad_value_fails_the_plugin_at_load_and_replaces_nothing(

@@ -38,7 +38,7 @@ from ppsync.harness.vllm_check.report import (
 from ppsync.harness.vllm_check.timing import format_timing, per_token_s, timing_failures
 
 OURS = "ppsync.compat.vllm.plugin.VllmPPHandler032"
-TWIN = {"codec": "device", "host_kernels": "numpy", "device_kernels": "torch",
+TWIN = {"codec": "device", "cpu_kernels": "numpy", "device_kernels": "torch",
         "completion": "stream-ordered (twin of nccl)"}
 
 

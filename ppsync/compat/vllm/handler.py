@@ -91,8 +91,8 @@ class PPHandler(AuxRelayCalls):
     ``board``: where ranks post failures ("group", the default: in the token
     group's own store; None: no board); ``codec``: None picks the device codec
     for a non-CPU device or with ``emulate``; ``carrier``: how device frames
-    travel (SyncConfig.carrier); ``host_kernels``: the host path's kernels
-    (SyncConfig.host_kernels); ``device_kernels``: the device path's
+    travel (SyncConfig.carrier); ``cpu_kernels``: the host path's kernels
+    (SyncConfig.cpu_kernels); ``device_kernels``: the device path's
     (SyncConfig.device_kernels); ``emulate``: "nccl" | "xccl", the token group
     behaves as that backend's (the CPU twin: CPU tensors, the device codec).
     Bad values raise :class:`ConfigError` before any collective.
@@ -143,7 +143,7 @@ class PPHandler(AuxRelayCalls):
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
         carrier: Literal["host", "device"] = "host",
-        host_kernels: Literal["auto", "numba", "numpy"] = "auto",
+        cpu_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
         emulate: Literal["nccl", "xccl"] | None = None,
@@ -176,7 +176,7 @@ class PPHandler(AuxRelayCalls):
             silent_s=silent_s,
             codec=codec,
             carrier=carrier,
-            host_kernels=host_kernels,
+            cpu_kernels=cpu_kernels,
             device_kernels=device_kernels,
         )
         self.config = config

@@ -43,7 +43,7 @@ class PPHandler034Cpu(PPHandler023):
         board: FailureBoard | Literal["group"] | None = "group",
         codec: Literal["host", "device"] | None = None,
         carrier: Literal["host", "device"] = "host",
-        host_kernels: Literal["auto", "numba", "numpy"] = "auto",
+        cpu_kernels: Literal["auto", "numba", "numpy"] = "auto",
         device_kernels: Literal["auto", "triton", "torch"] = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
         emulate: Literal["nccl", "xccl"] | None = None,
@@ -51,5 +51,5 @@ class PPHandler034Cpu(PPHandler023):
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
                          timeout_s=timeout_s, silent_s=silent_s, interface=interface,
                          board=board, codec=codec, carrier=carrier,
-                         host_kernels=host_kernels, device_kernels=device_kernels,
+                         cpu_kernels=cpu_kernels, device_kernels=device_kernels,
                          pp_groups=pp_groups, emulate=emulate)

@@ -60,7 +60,7 @@ class StepCodec(Protocol):
     """The device kernels' set ("torch", "triton"; "none": the host codec):
     every rank of a group must have the same (the handshake compares it)."""
     kernels: CpuKernels
-    """The host kernels (config.host_kernels): a step's batch facts, and
+    """The CPU kernels (config.cpu_kernels): a step's batch facts, and
     the host codec's checks, packing and release."""
 
     def settle(self, all_: bool = False) -> None:

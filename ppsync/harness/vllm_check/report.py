@@ -28,7 +28,7 @@ __all__ = ["NGRAM_METHODS", "RunResult", "SpecFigures", "WorkerRecord", "failure
 NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's model-free proposers (prompt lookup)
 TIMED = ("receive", "broadcast", "broadcast_drafts", "get_prev_sampled_outputs")
 MULTI_SHOWN = 12  # steps listed where a row had num_sampled > 1
-PATH_FACTS = ("codec", "carrier", "host_kernels", "device_kernels", "completion",
+PATH_FACTS = ("codec", "carrier", "cpu_kernels", "device_kernels", "completion",
               "token_backend")
 
 
@@ -242,7 +242,7 @@ def path_line(w: WorkerRecord) -> str:
     if "twin of" in p.get("completion", "") and w.twin is None:
         twin = "; twin: no wait counted"
     kernels = (f"device kernels {p.get('device_kernels')}" if p.get("codec") == "device"
-               else f"host kernels {p.get('host_kernels')}")
+               else f"CPU kernels {p.get('cpu_kernels')}")
     return (f"codec {p.get('codec')}, {kernels}, semantics {p.get('completion')}{twin}")
 
 

@@ -185,7 +185,7 @@ def path_facts(path: Any) -> dict[str, object]:
     words = importlib.import_module("ppsync.core.frame.layout").FrameLayout(
         path.config).words(path.config.max_num_reqs)
     carrier = path.config.carrier if path.config.codec == "device" else "-"
-    return {"codec": path.config.codec, "carrier": carrier, "host_kernels": codec.kernels.name,
+    return {"codec": path.config.codec, "carrier": carrier, "cpu_kernels": codec.kernels.name,
             "device_kernels": codec.device_kernels_name, "completion": path.completion.name,
             "frame_bytes": 8 * int(words), "token_backend": str(path.backend)}
 

@@ -1,4 +1,4 @@
-"""The numba host kernels: each role's per-step work in one compiled call
+"""The numba CPU kernels: each role's per-step work in one compiled call
 (ppsync.core.codec.cpu_kernels.jit), the numpy reference's results word for word.
 
 Python keeps what is cheap there (type and shape checks, the header's words

@@ -1,4 +1,4 @@
-"""The reference host kernels: the host codec's per-step work in numpy.
+"""The reference CPU kernels: the host codec's per-step work in numpy.
 
 Every rule and every error message of the host path lives in the functions
 these call (ppsync.core.rules, ppsync.core.rules.checks, the NumpyFrames); a faster

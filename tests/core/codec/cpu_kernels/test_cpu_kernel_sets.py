@@ -1,4 +1,4 @@
-"""The host kernel sets as one contract, in one process: the numba kernels
+"""The CPU kernel sets as one contract, in one process: the numba kernels
 give the numpy reference's facts, frames (word for word), releases, draft
 tables and errors for the same inputs, valid or not; and they serve valid
 inputs themselves (no call handed to the reference)."""
