@@ -36,7 +36,7 @@ from ppsync.errors import BatchError
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 TIMEOUT_S = 30.0
 """The token paths' timeout_s here (and each rank launch's bound)."""

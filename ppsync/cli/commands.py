@@ -35,13 +35,13 @@ from ppsync.core.wire.groups import pipeline_groups
 from ppsync.debug.cli import dump_files, point_at_dumps
 from ppsync.debug.paths import check_output_file
 from ppsync.errors import ConfigError, PPSyncError, Stopped
+from ppsync.harness.local_run import format_table, run_local
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
-from ppsync.harness.run import format_table, run_local
 from ppsync.harness.vllm_check.healthy import HEALTHY
 from ppsync.harness.world import WorldEnv, joining
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
 FAULT_MAX_TOKENS = 64  # with --fault: generate still running at the fault

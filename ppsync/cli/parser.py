@@ -1,6 +1,6 @@
 """The ``ppsync`` command's arguments: the parser of every subcommand. A bad
 value is refused at parsing, in one line naming the flag, exit 2; bounds
-come from the models the flags set (ppsync.cli.bounds). Parsing imports no
+come from the models the flags set (ppsync.cli.flag_values). Parsing imports no
 torch: ``ppsync --help`` answers at once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
 
-from ppsync.cli.bounds import at_least, bounded, from_field
+from ppsync.cli.flag_values import at_least, bounded, from_field
 from ppsync.debug.cli import add_debug_commands
 from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.bounds import field_bounds

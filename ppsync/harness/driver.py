@@ -28,9 +28,9 @@ from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
 from ppsync.harness import step_board
 from ppsync.harness.checker import Checker
-from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
+from ppsync.harness.synthetic_workload import ScheduledStep, Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 from ppsync.services.runtime import open_rank
 
 Framework = Literal["asyncio", "trio"]

@@ -22,7 +22,7 @@ import torch
 from vllm_standin import write_dist_info
 
 from ppsync.compat.vllm import PPHandler
-from ppsync.compat.vllm.checks import rebuilt_like
+from ppsync.compat.vllm.arg_checks import rebuilt_like
 from ppsync.compat.vllm.handler import handler_class
 from ppsync.compat.vllm.versions import (
     EAGLE3_UTILS,

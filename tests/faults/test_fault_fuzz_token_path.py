@@ -70,7 +70,7 @@ from fault_fuzz_inputs import Bad, collect, int_tensor, replace_field, uniform
 from fault_tools import watchdog
 from hypothesis import strategies as st
 
-from ppsync.core.codec.records import PreparedStep
+from ppsync.core.codec.steps import PreparedStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.facts import batch_facts

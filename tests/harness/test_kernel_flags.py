@@ -13,7 +13,7 @@ import pytest
 from ppsync.cli import main
 from ppsync.core.codec.cpu_kernels import numba_error
 from ppsync.core.codec.device_kernels import triton_error
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 NO_NUMBA = pytest.mark.skipif(numba_error() is not None, reason="numba cannot be loaded here")
 

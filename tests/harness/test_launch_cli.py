@@ -15,9 +15,9 @@ import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.harness.driver import Framework
-from ppsync.harness.run import format_table, run_local
+from ppsync.harness.local_run import format_table, run_local
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport, RunReport
+from ppsync.schemas.run_report import RankReport, RunReport
 
 
 def _exit_code(argv: Sequence[str]) -> int:

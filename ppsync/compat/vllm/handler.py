@@ -36,9 +36,9 @@ from typing import Any, ClassVar, Literal, NotRequired, TypedDict
 import torch
 import torch.distributed as dist
 
+from ppsync.compat.vllm.arg_checks import NOT_GIVEN, check_empty_table, detached
 from ppsync.compat.vllm.aux_relay import AuxRelay, AuxRelayCalls
 from ppsync.compat.vllm.calls import HANDLER_CALLS, guarded
-from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached
 from ppsync.compat.vllm.held import HeldStep
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.settings import handler_path
@@ -49,8 +49,8 @@ from ppsync.compat.vllm.versions import (
     resolve_interface,
 )
 from ppsync.core.codec import StepDrafts, default_codec
-from ppsync.core.codec.records import PreparedStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PreparedStep
 from ppsync.core.path.names import CallNames
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView

@@ -1,4 +1,4 @@
-"""ppsync.core.codec.base: the one choice of a codec, and the rules both
+"""ppsync.core.codec.protocol: the one choice of a codec, and the rules both
 codecs share, checked through each (the device codec on CPU tensors)."""
 
 from __future__ import annotations

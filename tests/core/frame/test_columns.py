@@ -23,7 +23,7 @@ from test_device_frames import pack as device_pack
 from test_device_frames import release as device_release
 
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
-from ppsync.core.codec.records import PendingStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame import FrameView, slot_need_words
 from ppsync.core.frame import layout as layout_module
 from ppsync.core.frame.device_frames import DeviceFrames

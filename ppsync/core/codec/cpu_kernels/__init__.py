@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ppsync.core.codec.cpu_kernels.numpy_set import NumpyKernels
-from ppsync.core.codec.records import PendingStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView

@@ -14,7 +14,7 @@ from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.step_board import StepBoard
 from ppsync.schemas.config import SyncConfig
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.schemas.report import RankReport, RunReport
+from ppsync.schemas.run_report import RankReport, RunReport
 
 __all__ = ["RunOptions", "format_table", "run_local"]
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec.cpu_kernels import CpuKernels
-from ppsync.core.codec.records import PendingStep, PreparedStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView
