@@ -25,6 +25,18 @@ def test_all_lists_every_public_name() -> None:
     assert public == set(ppsync.__all__)
 
 
+def test_the_names_type_checkers_see_are_the_public_table() -> None:
+    """ppsync/__init__.py states its public names once, in ``_PUBLIC``; its
+    imports under TYPE_CHECKING restate them for type checkers and must agree."""
+    tree = ast.parse(Path(ppsync.__file__).read_text())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If)
+                and ast.unparse(n.test) == "_typing.TYPE_CHECKING"]
+    typed = {alias.name: node.module for node in block.body
+             if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == ppsync._WHERE
+    assert ppsync.__all__ == sorted(typed)
+
+
 # harness, bench and debug are users of the library, like an engine; the
 # benchmarks spawn their ranks with the harness's launcher, so bench sits above it.
 LAYER = {
