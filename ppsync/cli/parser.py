@@ -276,16 +276,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="timing: N runs per handler, alternating (vLLM's first), each run's "
                     "generate times and median time per output token after the first call, "
                     "and the ratio ppsync / vLLM with its min-max")
-    vc.add_argument("--codec", choices=["host", "device"], default=None,
+    vc.add_argument("--codec", choices=get_args(CodecName), default=None,
                     help="ppsync's codec in its run (PPSYNC_CODEC; none: the device's default, "
                     "device with --emulate)")
     vc.add_argument("--carrier", choices=get_args(CarrierName), default=None,
                     help="how ppsync's device frames travel in its run (PPSYNC_CARRIER; none: "
                     "host)")
-    vc.add_argument("--cpu-kernels", choices=["auto", "numba", "numpy"], default=None,
+    vc.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName), default=None,
                     help="ppsync's CPU kernels in its run (PPSYNC_CPU_KERNELS)")
     vc.add_argument("--host-kernels", action=_Renamed, new="--cpu-kernels")
-    vc.add_argument("--device-kernels", choices=["auto", "triton", "torch"], default=None,
+    vc.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default=None,
                     help="ppsync's device kernels in its run (PPSYNC_DEVICE_KERNELS)")
     vc.add_argument("--emulate", choices=get_args(EmulatedName), default=None,
                     help="ppsync's token groups behave as NCCL's or XCCL's: the CPU twin "

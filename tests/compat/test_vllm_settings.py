@@ -17,6 +17,7 @@ import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_type_hints
 
 import numpy as np
 import pytest
@@ -39,11 +40,21 @@ from ppsync.compat.vllm.settings import (
     plugin_settings,
     settings_from_env,
 )
+from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.core.codec.cpu_kernels import numba_error
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.errors import BatchError, ConfigError, PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+    SyncConfig,
+)
 
 
 def _cpu() -> None:
@@ -82,6 +93,15 @@ def test_the_old_name_of_the_cpu_kernels_variable_is_refused_naming_the_new() ->
         parse(PPSYNC_HOST_KERNELS="numpy")
     with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS is now PPSYNC_CPU_KERNELS$"):
         parse(PPSYNC_HOST_KERNELS="numpy", PPSYNC_CPU_KERNELS="numpy")
+
+
+def test_the_handlers_and_the_settings_take_sync_configs_value_types() -> None:
+    want = {"codec": CodecName | None, "carrier": CarrierName, "cpu_kernels": CpuKernelsName,
+            "device_kernels": DeviceKernelsName, "emulate": EmulatedName | None}
+    for hints in (get_type_hints(PPHandler.__init__), get_type_hints(PPHandler034Cpu.__init__),
+                  get_type_hints(PluginSettings)):
+        assert {name: hints[name] for name in want} == want
+    assert get_type_hints(SyncConfig)["cpu_kernels"] == CpuKernelsName
 
 
 def test_device_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,16 @@ from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.board import FailureBoard
 from ppsync.errors import ConfigError, PPSyncError, ProtocolError
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+    SyncConfig,
+)
 
 __all__ = ["HANDLER_CALLS", "PPHandler", "SampledOutputs", "handler_class"]
 
@@ -141,12 +150,12 @@ class PPHandler(AuxRelayCalls):
         silent_s: float = DEFAULT_SILENT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
-        codec: Literal["host", "device"] | None = None,
-        carrier: Literal["host", "device"] = "host",
-        cpu_kernels: Literal["auto", "numba", "numpy"] = "auto",
-        device_kernels: Literal["auto", "triton", "torch"] = "auto",
+        codec: CodecName | None = None,
+        carrier: CarrierName = "host",
+        cpu_kernels: CpuKernelsName = "auto",
+        device_kernels: DeviceKernelsName = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
-        emulate: Literal["nccl", "xccl"] | None = None,
+        emulate: EmulatedName | None = None,
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
             raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "

@@ -44,7 +44,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,16 @@ from ppsync.core.wire.completion import emulate as emulate_group
 from ppsync.core.wire.groups import strided_groups, token_group_among
 from ppsync.core.wire.platform import platform_for
 from ppsync.errors import ConfigError
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+    SyncConfig,
+)
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
 __all__ = ["ENV_CARRIER", "ENV_CODEC", "ENV_CPU_KERNELS", "ENV_DEVICE_KERNELS", "ENV_EMULATE",
@@ -84,22 +93,22 @@ SETTINGS_ENV = (ENV_CODEC, ENV_CARRIER, ENV_CPU_KERNELS, ENV_DEVICE_KERNELS, *BO
                 ENV_EMULATE, DUMP_DIR_ENV, ENV_ON_ERROR, *RENAMED_ENV)
 """Every variable this module reads."""
 
-CODECS = ("host", "device")
-CPU_KERNELS = ("auto", "numba", "numpy")
-DEVICE_KERNELS = ("auto", "triton", "torch")
+CODECS: tuple[str, ...] = get_args(CodecName)
+CPU_KERNELS: tuple[str, ...] = get_args(CpuKernelsName)
+DEVICE_KERNELS: tuple[str, ...] = get_args(DeviceKernelsName)
 
 
 @dataclass(frozen=True)
 class PluginSettings:
     """The handler's settings, as the operator's variables give them."""
 
-    codec: Literal["host", "device"] | None = None  # None: by the device (default_codec)
-    carrier: Literal["host", "device"] = "host"  # how device frames travel
-    cpu_kernels: Literal["auto", "numba", "numpy"] = "auto"
-    device_kernels: Literal["auto", "triton", "torch"] = "auto"
+    codec: CodecName | None = None  # None: by the device (default_codec)
+    carrier: CarrierName = "host"  # how device frames travel
+    cpu_kernels: CpuKernelsName = "auto"
+    device_kernels: DeviceKernelsName = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     silent_s: float = DEFAULT_SILENT_S
-    emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin of that backend
+    emulate: EmulatedName | None = None  # the CPU twin of that backend
     dump_dir: Path | None = None
     on_error: Literal["exit", "raise"] = "exit"  # a worker other than the last PP rank's
 
@@ -166,12 +175,12 @@ def settings_from_env(env: Mapping[str, str] | None = None,
     if dump_dir is not None:
         check_dump_dir(dump_dir, DUMP_DIR_ENV)
     return PluginSettings(
-        codec=cast(Literal["host", "device"] | None, codec),
-        carrier=cast(Literal["host", "device"], carrier),
-        cpu_kernels=cast(Literal["auto", "numba", "numpy"], cpu_kernels),
-        device_kernels=cast(Literal["auto", "triton", "torch"], device_kernels),
+        codec=cast(CodecName | None, codec),
+        carrier=cast(CarrierName, carrier),
+        cpu_kernels=cast(CpuKernelsName, cpu_kernels),
+        device_kernels=cast(DeviceKernelsName, device_kernels),
         timeout_s=bounds.timeout_s, silent_s=bounds.silent_s,
-        emulate=cast(Literal["nccl", "xccl"] | None, emulate),
+        emulate=cast(EmulatedName | None, emulate),
         dump_dir=dump_dir, on_error=cast(Literal["exit", "raise"], on_error))
 
 

@@ -13,7 +13,7 @@ num_sampled, num_rejected) are in ppsync.core.rules.checks, shared by both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from ppsync.core.wire.backends import carried_by
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform
 from ppsync.errors import ConfigError
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import CodecName, SyncConfig
 
 StepDrafts = np.ndarray | torch.Tensor
 """One step's drafts, [num_reqs, K]: a host array (host codec) or a tensor on
@@ -136,7 +136,7 @@ def frames_on_device(codec: str) -> bool:
     return codec == "device"
 
 
-def default_codec(device: torch.device) -> Literal["host", "device"]:
+def default_codec(device: torch.device) -> CodecName:
     """The codec an engine on ``device`` gets when it names none: an
     accelerator's engine must not sync per step, so its frames stay there."""
     return "host" if device.type == "cpu" else "device"
