@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
 
-from ppsync.cli.flag_values import at_least, bounded, from_field
+from ppsync.cli.flag_values import Renamed, at_least, bounded, from_field
 from ppsync.debug.cli import add_debug_commands
 from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.bounds import field_bounds
@@ -23,6 +23,7 @@ from ppsync.schemas.config import (
     DeviceKernelsName,
     EmulatedName,
     SyncConfig,
+    WireMode,
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
@@ -104,21 +105,6 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-class _Renamed(argparse.Action):
-    """A flag's old spelling: no alias (no release has shipped under it), one
-    line naming the new one, exit 2."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str,
-                 **_: Any) -> None:
-        self.new = new
-        super().__init__(option_strings, argparse.SUPPRESS, nargs="?",
-                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: object, option_string: str | None = None) -> None:
-        parser.exit(2, f"{parser.prog}: error: {option_string} is now {self.new}\n")
-
-
 SECONDS_MAX = field_bounds(SyncConfig, "timeout_s")[2] or 86400.0
 """The longest bound a flag takes: SyncConfig's timeout's."""
 
@@ -136,6 +122,10 @@ def _sync(field: str, **kwargs: Any) -> Any:
 _pp_size = _sync("pp_size", low=2, why=PP_SIZE_ONE)
 
 
+CONFIG_DEFAULT = {name: field.default for name, field in SyncConfig.model_fields.items()}
+"""SyncConfig's defaults: a flag that sets a field never restates its default."""
+
+
 def _bench_opt(field: str) -> Any:
     return from_field(BenchOptions, field)
 
@@ -151,22 +141,27 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--ring-depth", type=_sync("ring_depth"), default=None, metavar="D",
                     help="steps between a receive's post and its consume (default pp_size)")
     la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
-    la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
-    la.add_argument("--codec", choices=get_args(CodecName), default="host",
+    la.add_argument("--wire", choices=get_args(WireMode), default=CONFIG_DEFAULT["wire"],
+                    help="frame sizing")
+    la.add_argument("--codec", choices=get_args(CodecName),
+                    default=CONFIG_DEFAULT["codec"],
                     help="frame codec: host (numpy, the CPU default) or device (torch ops, "
-                    "checks deferred one step; runs on CPU tensors here) (default: host)")
-    la.add_argument("--carrier", choices=get_args(CarrierName), default="host",
+                    "checks deferred one step; runs on CPU tensors here)")
+    la.add_argument("--carrier", choices=get_args(CarrierName),
+                    default=CONFIG_DEFAULT["carrier"],
                     help="how the device codec's frames travel: host (pinned host memory "
                     "over gloo: no kernel waits on a peer) or device (the device's backend "
                     "on a side stream, as vLLM's handler)")
-    la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
+    la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName),
+                    default=CONFIG_DEFAULT["device_kernels"],
                     help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
                     "CUDA/XPU where it imports, else torch); only with --codec device")
-    la.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName), default="auto",
+    la.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName),
+                    default=CONFIG_DEFAULT["cpu_kernels"],
                     help="the host-side kernels (the batch facts, with either codec; the frames "
                     "too with --codec host): numba, numpy or auto (numba where it loads, "
                     "else numpy)")
-    la.add_argument("--host-kernels", action=_Renamed, new="--cpu-kernels")
+    la.add_argument("--host-kernels", action=Renamed, new="--cpu-kernels")
     la.add_argument("--timeout", type=_sync("timeout_s"), default=DEFAULT_TIMEOUT_S,
                     help="bound on one wait for a live peer (s), from the wait's start; "
                     "launch ends a rank that completes no step for this long plus a grace")
@@ -284,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
                     "host)")
     vc.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName), default=None,
                     help="ppsync's CPU kernels in its run (PPSYNC_CPU_KERNELS)")
-    vc.add_argument("--host-kernels", action=_Renamed, new="--cpu-kernels")
+    vc.add_argument("--host-kernels", action=Renamed, new="--cpu-kernels")
     vc.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default=None,
                     help="ppsync's device kernels in its run (PPSYNC_DEVICE_KERNELS)")
     vc.add_argument("--emulate", choices=get_args(EmulatedName), default=None,

@@ -174,8 +174,8 @@ class PPHandler(AuxRelayCalls):
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         if ring_depth is None:
             ring_depth = self.default_ring_depth(self.device)
-        if codec is None:  # the twin carries device frames, as NCCL does
-            codec = "device" if emulate is not None else default_codec(self.device)
+        if codec is None:
+            codec = default_codec(self.device, emulated=emulate is not None)
         config = SyncConfig.build(
             pp_size=dist.get_world_size(pp_group),
             max_num_reqs=max_num_reqs,

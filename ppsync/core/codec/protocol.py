@@ -136,10 +136,16 @@ def frames_on_device(codec: str) -> bool:
     return codec == "device"
 
 
-def default_codec(device: torch.device) -> CodecName:
-    """The codec an engine on ``device`` gets when it names none: an
-    accelerator's engine must not sync per step, so its frames stay there."""
-    return "host" if device.type == "cpu" else "device"
+def default_codec(device: torch.device, *, emulated: bool = False) -> CodecName:
+    """The codec an engine on ``device`` gets when it names none, decided
+    here only: on an accelerator the device codec (its engine must not sync
+    per step, so its frames stay there); under the CPU twin (``emulated``)
+    too, since the twin carries device frames as NCCL does; else
+    SyncConfig's default, the host codec."""
+    if emulated or device.type != "cpu":
+        return "device"
+    codec: CodecName = SyncConfig.model_fields["codec"].default
+    return codec
 
 
 def frames_home(codec: str, carrier: str, platform: Platform) -> tuple[str, Platform | None]:
