@@ -39,7 +39,7 @@ from ppsync.harness.local_run import format_table, run_local
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
 from ppsync.harness.vllm_check.healthy import HEALTHY
 from ppsync.harness.world import WorldEnv, joining
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import SyncConfig, frames_on_device
 from ppsync.schemas.dump import DUMP_DIR_ENV
 from ppsync.schemas.run_report import RunReport
 
@@ -210,7 +210,7 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
     # before any rank starts ("auto" always resolves)
     if config.cpu_kernels != "auto":
         resolve_cpu_kernels(config)
-    if config.codec == "device" and config.device_kernels != "auto":
+    if frames_on_device(config.codec) and config.device_kernels != "auto":
         resolve_device_kernels(config, torch.device(getattr(args, "device", "cpu")))
     return config
 

@@ -24,6 +24,7 @@ from ppsync.schemas.config import (
     EmulatedName,
     SyncConfig,
     WireMode,
+    frames_on_device,
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
@@ -370,7 +371,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     does not go together: one line naming the flag, exit 2."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if (args.command in ("launch", "run") and args.codec != "device"
+    if (args.command in ("launch", "run") and not frames_on_device(args.codec)
             and args.device_kernels != "auto"):
         _sub(parser, args.command).error(
             f"argument --device-kernels: {args.device_kernels} is a kernel set of the "

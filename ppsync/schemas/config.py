@@ -31,6 +31,16 @@ DeviceKernelsName = Literal["auto", "triton", "torch"]
 EmulatedName = Literal["nccl", "xccl"]
 """The backends whose completion semantics the CPU twin emulates (``--emulate``)."""
 
+
+
+def frames_on_device(codec: str) -> bool:
+    """Whether frames of the codec named ``codec`` live on the engine's
+    device (the device codec) rather than on the host: decided here only
+    (no torch, so the command's parser asks it too); a codec object says the
+    same as ``on_device``."""
+    return codec == "device"
+
+
 RENAMED_FIELDS = {"host_kernels": "cpu_kernels"}
 """SyncConfig's old field names, each refused naming its new one: no alias,
 as no release has shipped under the old name."""

@@ -21,11 +21,10 @@ from ppsync.core.codec.protocol import (
     check_frames,
     default_codec,
     frames_home,
-    frames_on_device,
 )
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import SyncConfig, frames_on_device
 
 __all__ = [
     "DeviceCodec",

@@ -30,7 +30,7 @@ from ppsync.core.wire.backends import carried_by
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform
 from ppsync.errors import ConfigError
-from ppsync.schemas.config import CodecName, SyncConfig
+from ppsync.schemas.config import CodecName, SyncConfig, frames_on_device
 
 StepDrafts = np.ndarray | torch.Tensor
 """One step's drafts, [num_reqs, K]: a host array (host codec) or a tensor on
@@ -130,12 +130,6 @@ class StepCodec(Protocol):
         """The path closed: nothing is issued or released any more."""
 
 
-def frames_on_device(codec: str) -> bool:
-    """Whether frames of the codec named ``codec`` live on the engine's
-    device (the device codec) rather than on the host."""
-    return codec == "device"
-
-
 def default_codec(device: torch.device, *, emulated: bool = False) -> CodecName:
     """The codec an engine on ``device`` gets when it names none, decided
     here only: on an accelerator the device codec (its engine must not sync
@@ -160,11 +154,12 @@ def frames_home(codec: str, carrier: str, platform: Platform) -> tuple[str, Plat
 def check_frames(config: SyncConfig, completion: Completion, backend: str) -> None:
     """ConfigError unless a group of ``completion`` (``backend``) can carry
     ``config``'s frames."""
-    if completion.device_only and frames_on_device(config.codec) and config.carrier == "host":
+    on_device = frames_on_device(config.codec)
+    if completion.device_only and on_device and config.carrier == "host":
         raise ConfigError(f"carrier = 'host' sends frames over gloo from pinned host memory; "
                           f"the token group ({backend}, {completion.name}) takes device "
                           "tensors only: make the token group gloo, or use carrier = 'device'")
-    if completion.device_only and not frames_on_device(config.codec):
+    if completion.device_only and not on_device:
         raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
                           f"group ({backend}, {completion.name}) takes device tensors "
                           "only: use codec = 'device'")

@@ -155,8 +155,8 @@ class GroupEnd:
                 self.watcher.first_beat.wait(self.board.op_timeout_s)
             self.handshake = Handshake(
                 config, group, rank=self.rank, completion=self.completion,
-                device=self.platform.device if self.completion.device_only else None,
-                device_kernels=self.codec.device_kernels_name)
+                codec=self.codec,
+                device=self.platform.device if self.completion.device_only else None)
             """Issued at once; finished here, or by the caller (``wait_handshake``
             False: an event loop awaits :meth:`handshake_work` under
             :meth:`handshake_slices`, then calls finish_handshake)."""

@@ -184,7 +184,7 @@ def path_facts(path: Any) -> dict[str, object]:
     codec = path.codec
     words = importlib.import_module("ppsync.core.frame.layout").FrameLayout(
         path.config).words(path.config.max_num_reqs)
-    carrier = path.config.carrier if path.config.codec == "device" else "-"
+    carrier = path.config.carrier if codec.on_device else "-"
     return {"codec": path.config.codec, "carrier": carrier, "cpu_kernels": codec.kernels.name,
             "device_kernels": codec.device_kernels_name, "completion": path.completion.name,
             "frame_bytes": 8 * int(words), "token_backend": str(path.backend)}

@@ -3,6 +3,8 @@ codecs share, checked through each (the device codec on CPU tensors)."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from ppsync.core.rules import BatchView, batch_facts
 from ppsync.core.wire.completion import HostCompleted, StreamOrdered
 from ppsync.core.wire.platform import platform_for
 from ppsync.errors import BatchError, ConfigError
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import CodecName, SyncConfig, frames_on_device
 
 K = 2
 CPU = torch.device("cpu")
@@ -100,3 +102,10 @@ def test_the_codec_default_is_decided_in_one_place() -> None:
         args = parse(argv)
         for field in ("codec", "carrier", "cpu_kernels", "device_kernels", "wire"):
             assert getattr(args, field) == getattr(config, field), (argv[0], field)
+
+
+def test_each_codec_object_says_where_its_frames_live_as_the_one_rule_does() -> None:
+    # frames_on_device decides it before a codec exists (the group's backend,
+    # the command's flags); the codec codec_for builds must agree
+    for name in get_args(CodecName):
+        assert _codec(name).on_device is frames_on_device(name), name
