@@ -22,108 +22,60 @@ if _MISSING:  # a CUDA image has torch and numpy but no pydantic: say what to do
         "`python3 -m pip install --no-index --find-links wheels/gpu ppsync` "
         "(docs/operations.md, \"GPU check\")", name=_MISSING[0])
 
-if _typing.TYPE_CHECKING:  # the names, for readers and type checkers; loaded on first use
-    from ppsync.compat import PPHandler
-    from ppsync.compat.vllm.aux_relay import AuxRelay
-    from ppsync.core import (
-        BatchView,
-        FailureBoard,
-        ReleasedStep,
-        TokenPath,
-        batch_view_of,
-        need_sampled_mask,
-        pipeline_groups,
-        strided_groups,
-        token_group,
-        token_group_among,
-        token_groups,
-    )
-    from ppsync.errors import (
-        BatchError,
-        ConfigError,
-        DesyncError,
-        PeerLost,
-        PPSyncError,
-        ProtocolError,
-        RankFailed,
-        RoleError,
-        Stopped,
-        SyncTimeout,
-    )
-    from ppsync.schemas import RankReport, RunReport, StepRecord, SyncConfig
-    from ppsync.services import BroadcastService, Rank, ReceiveService, open_rank
+if _typing.TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exported)
+    from ppsync.compat import PPHandler as PPHandler
+    from ppsync.compat.vllm.aux_relay import AuxRelay as AuxRelay
+    from ppsync.core import BatchView as BatchView
+    from ppsync.core import FailureBoard as FailureBoard
+    from ppsync.core import ReleasedStep as ReleasedStep
+    from ppsync.core import TokenPath as TokenPath
+    from ppsync.core import batch_view_of as batch_view_of
+    from ppsync.core import need_sampled_mask as need_sampled_mask
+    from ppsync.core import pipeline_groups as pipeline_groups
+    from ppsync.core import strided_groups as strided_groups
+    from ppsync.core import token_group as token_group
+    from ppsync.core import token_group_among as token_group_among
+    from ppsync.core import token_groups as token_groups
+    from ppsync.errors import BatchError as BatchError
+    from ppsync.errors import ConfigError as ConfigError
+    from ppsync.errors import DesyncError as DesyncError
+    from ppsync.errors import PeerLost as PeerLost
+    from ppsync.errors import PPSyncError as PPSyncError
+    from ppsync.errors import ProtocolError as ProtocolError
+    from ppsync.errors import RankFailed as RankFailed
+    from ppsync.errors import RoleError as RoleError
+    from ppsync.errors import Stopped as Stopped
+    from ppsync.errors import SyncTimeout as SyncTimeout
+    from ppsync.schemas import RankReport as RankReport
+    from ppsync.schemas import RunReport as RunReport
+    from ppsync.schemas import StepRecord as StepRecord
+    from ppsync.schemas import SyncConfig as SyncConfig
+    from ppsync.services import BroadcastService as BroadcastService
+    from ppsync.services import Rank as Rank
+    from ppsync.services import ReceiveService as ReceiveService
+    from ppsync.services import open_rank as open_rank
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AuxRelay",
-    "BatchError",
-    "BatchView",
-    "BroadcastService",
-    "ConfigError",
-    "DesyncError",
-    "FailureBoard",
-    "PPHandler",
-    "PPSyncError",
-    "PeerLost",
-    "ProtocolError",
-    "Rank",
-    "RankFailed",
-    "RankReport",
-    "ReceiveService",
-    "ReleasedStep",
-    "RoleError",
-    "RunReport",
-    "StepRecord",
-    "Stopped",
-    "SyncConfig",
-    "SyncTimeout",
-    "TokenPath",
-    "batch_view_of",
-    "need_sampled_mask",
-    "open_rank",
-    "pipeline_groups",
-    "strided_groups",
-    "token_group",
-    "token_group_among",
-    "token_groups",
-]
-
-_WHERE = {
-    "AuxRelay": "ppsync.compat.vllm.aux_relay",
-    "BatchError": "ppsync.errors",
-    "BatchView": "ppsync.core",
-    "BroadcastService": "ppsync.services",
-    "ConfigError": "ppsync.errors",
-    "DesyncError": "ppsync.errors",
-    "FailureBoard": "ppsync.core",
-    "PPHandler": "ppsync.compat",
-    "PPSyncError": "ppsync.errors",
-    "PeerLost": "ppsync.errors",
-    "ProtocolError": "ppsync.errors",
-    "Rank": "ppsync.services",
-    "RankFailed": "ppsync.errors",
-    "RankReport": "ppsync.schemas",
-    "ReceiveService": "ppsync.services",
-    "ReleasedStep": "ppsync.core",
-    "RoleError": "ppsync.errors",
-    "RunReport": "ppsync.schemas",
-    "StepRecord": "ppsync.schemas",
-    "Stopped": "ppsync.errors",
-    "SyncConfig": "ppsync.schemas",
-    "SyncTimeout": "ppsync.errors",
-    "TokenPath": "ppsync.core",
-    "batch_view_of": "ppsync.core",
-    "need_sampled_mask": "ppsync.core",
-    "open_rank": "ppsync.services",
-    "pipeline_groups": "ppsync.core",
-    "strided_groups": "ppsync.core",
-    "token_group": "ppsync.core",
-    "token_group_among": "ppsync.core",
-    "token_groups": "ppsync.core",
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "ppsync.errors": ("BatchError", "ConfigError", "DesyncError", "PPSyncError", "PeerLost",
+                      "ProtocolError", "RankFailed", "RoleError", "Stopped", "SyncTimeout"),
+    "ppsync.schemas": ("RankReport", "RunReport", "StepRecord", "SyncConfig"),
+    "ppsync.core": ("BatchView", "FailureBoard", "ReleasedStep", "TokenPath", "batch_view_of",
+                    "need_sampled_mask", "pipeline_groups", "strided_groups", "token_group",
+                    "token_group_among", "token_groups"),
+    "ppsync.compat": ("PPHandler",),
+    "ppsync.compat.vllm.aux_relay": ("AuxRelay",),
+    "ppsync.services": ("BroadcastService", "Rank", "ReceiveService", "open_rank"),
 }
-"""Public name -> the module that defines it. Importing ``ppsync`` (and so
-``ppsync --help``) loads none of them: torch is imported on first use."""
+"""The public names, once: the module that defines each. ``__all__`` and the
+loader below read it; the imports under TYPE_CHECKING above restate it for
+type checkers (tests/test_public_api.py holds the two equal). Importing
+``ppsync`` (and so ``ppsync --help``) loads none of them: torch is imported
+on first use."""
+_WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
+
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> object:

@@ -143,7 +143,7 @@ def test_run_refuses_a_world_of_one_as_its_default_pp_size(
 def test_the_bounds_are_the_models_own() -> None:
     """A bound changed in SyncConfig or BenchOptions changes the flag's: the
     parser reads them from the fields, it keeps no copy."""
-    from ppsync.cli.bounds import from_field
+    from ppsync.cli.flag_values import from_field
     from ppsync.schemas.bench import BenchOptions
     from ppsync.schemas.bounds import field_bounds
     from ppsync.schemas.config import SyncConfig

@@ -25,6 +25,18 @@ def test_all_lists_every_public_name() -> None:
     assert public == set(ppsync.__all__)
 
 
+def test_the_names_type_checkers_see_are_the_public_table() -> None:
+    """ppsync/__init__.py states its public names once, in ``_PUBLIC``; its
+    imports under TYPE_CHECKING restate them for type checkers and must agree."""
+    tree = ast.parse(Path(ppsync.__file__).read_text())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If)
+                and ast.unparse(n.test) == "_typing.TYPE_CHECKING"]
+    typed = {alias.name: node.module for node in block.body
+             if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == ppsync._WHERE
+    assert ppsync.__all__ == sorted(typed)
+
+
 # harness, bench, debug, checks and probes are users of the library, like an
 # engine; the benchmarks spawn their ranks with the harness's launcher, so
 # bench sits above it; the checks and the probes may use both, and nothing but
@@ -154,7 +166,7 @@ def test_cycle_finder_sees_a_cycle() -> None:
 CORE_PACKAGES = {"rules": 0, "wire": 0, "frame": 1, "codec": 2, "recorder": 2, "path": 3}
 # the kernel sets know no codec: of the codec package only the step records
 KERNEL_SETS = ("cpu_kernels", "device_kernels")
-KERNEL_SETS_MAY_IMPORT = ("records", "released", *KERNEL_SETS)
+KERNEL_SETS_MAY_IMPORT = ("steps", "released", *KERNEL_SETS)
 
 
 def _core_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -182,12 +194,12 @@ def test_core_packages_import_only_downward() -> None:
 
 
 def test_core_layer_check_sees_an_upward_import_and_a_kernel_set_using_the_codec() -> None:
-    graph = {"ppsync.core.frame.layout": {"ppsync.core.codec.base"},
+    graph = {"ppsync.core.frame.layout": {"ppsync.core.codec.protocol"},
              "ppsync.core.codec.cpu_kernels.numpy_set": {"ppsync.core.codec.host",
-                                                          "ppsync.core.codec.records"},
-             "ppsync.core.path.token_path": {"ppsync.core.codec.base"}}
+                                                          "ppsync.core.codec.steps"},
+             "ppsync.core.path.token_path": {"ppsync.core.codec.protocol"}}
     assert _core_violations(graph) == [
-        "ppsync.core.frame.layout imports ppsync.core.codec.base",
+        "ppsync.core.frame.layout imports ppsync.core.codec.protocol",
         "ppsync.core.codec.cpu_kernels.numpy_set imports ppsync.core.codec.host"]
 
 
@@ -233,3 +245,26 @@ def test_every_publish_takes_the_arguments_of_prepare() -> None:
     want = params(TokenPath.prepare)
     for publish in (TokenPath.publish, BroadcastService.publish, Rank.publish):
         assert params(publish) == want, publish.__qualname__
+
+
+SHARED_FILE_NAMES = {
+    "__init__.py": "a package's own module, in every package",
+    "__main__.py": "`python -m` of its package (ppsync, ppsync.cli)",
+    "check.py": "an engine check's command: its cases and verdicts (vllm_check, sglang_check)",
+    "engine.py": "an engine check's child process, one engine run (vllm_check, sglang_check)",
+    "report.py": "an engine check's report of what it found (vllm_check, sglang_check)",
+    "plugin.py": "an engine's plugin entry point (compat/vllm, compat/sglang)",
+}
+"""Module file names that occur more than once under ppsync/, each with the
+job it has in every place: any other name says one thing only."""
+
+
+def test_a_module_file_name_occurring_twice_has_one_job() -> None:
+    root = Path(ppsync.__file__).parent
+    places: dict[str, list[str]] = {}
+    for p in sorted(root.rglob("*.py")):
+        places.setdefault(p.name, []).append(p.relative_to(root).as_posix())
+    shared = {name: where for name, where in places.items() if len(where) > 1}
+    unlisted = {name: where for name, where in shared.items() if name not in SHARED_FILE_NAMES}
+    assert unlisted == {}, "rename these, or list the one job they share in SHARED_FILE_NAMES"
+    assert sorted(SHARED_FILE_NAMES) == sorted(shared), "SHARED_FILE_NAMES lists a name used once"

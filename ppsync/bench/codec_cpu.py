@@ -6,7 +6,7 @@ One process holds both ranks of a real two-rank gloo group (two gloo
 backends over one in-process store, made side by side in two threads) and a
 real :class:`TokenPath` on each: the last rank's and a receiver's. One
 thread runs the engine's steps in a tight loop, publish then consume + post,
-for each codec (host, with each host kernel set, and device on CPU tensors), alternating which goes
+for each codec (host, with each CPU kernel set, and device on CPU tensors), alternating which goes
 first. Each call's thread CPU time, less the CPU the path spent issuing its
 collective and in waits (``TokenPath.clock``), is the path's own work:
 checks, mask, digest, codec, recorder. Prints the median µs per step.
@@ -45,7 +45,7 @@ from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.transport import TransportClock
 from ppsync.harness.fresh import in_fresh_process
 from ppsync.schemas.bench import BenchOptions
-from ppsync.schemas.config import HostKernelsName, SyncConfig
+from ppsync.schemas.config import CpuKernelsName, SyncConfig
 
 
 def gloo_pair(timeout_s: float = 30.0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -194,21 +194,21 @@ def _pairs(configs: dict[str, SyncConfig]) -> Iterator[dict[str, tuple[
         yield opened
 
 
-def phases(rows: int, spec: int, iters: int, kernels: HostKernelsName = "numpy"
+def phases(rows: int, spec: int, iters: int, kernels: CpuKernelsName = "numpy"
            ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`hot_phases` in a fresh process."""
     return in_fresh_process(hot_phases, rows, spec, iters, kernels)
 
 
-def hot_phases(rows: int, spec: int, iters: int, kernels: HostKernelsName = "numpy"
+def hot_phases(rows: int, spec: int, iters: int, kernels: CpuKernelsName = "numpy"
                ) -> tuple[dict[str, float], dict[str, float]]:
     """(last rank, receiver) per-phase median µs of the host codec's path
-    with the host kernels ``kernels``, hot, with a PhaseTimer on each path
+    with the CPU kernels ``kernels``, hot, with a PhaseTimer on each path
     (see ppsync.bench.phases), over each path's quietest block of steps
     (see :func:`quiet_median`). The numpy reference splits digest, pack and
     frame check apart; numba's kernels do each role's work in one call."""
     config = SyncConfig.build(pp_size=2, max_num_reqs=rows, num_speculative_steps=spec,
-                              timeout_s=30.0, codec="host", host_kernels=kernels)
+                              timeout_s=30.0, codec="host", cpu_kernels=kernels)
     out = []
     with path_pair(config) as (last, receiver):
         calls = _step_calls(last, receiver, fixed_step(rows, spec))
@@ -239,11 +239,11 @@ def _quietest_block(ns: list[int], block: int = QUIET_BLOCK) -> int:
 
 
 def variants() -> dict[str, dict[str, str]]:
-    """The codec and host kernel choices compared here: both codecs, and the
+    """The codec and CPU kernel choices compared here: both codecs, and the
     host codec with each kernel set this machine can load."""
-    out = {"host / numpy": {"codec": "host", "host_kernels": "numpy"}}
+    out = {"host / numpy": {"codec": "host", "cpu_kernels": "numpy"}}
     if numba_error() is None:
-        out["host / numba"] = {"codec": "host", "host_kernels": "numba"}
+        out["host / numba"] = {"codec": "host", "cpu_kernels": "numba"}
     out["device"] = {"codec": "device"}
     return out
 
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="host codec only, per-phase split of the own CPU")
     ap.add_argument("--kernels", choices=("numpy", "numba"), default="numpy",
-                    help="the host kernels of --phases (default: the numpy reference)")
+                    help="the CPU kernels of --phases (default: the numpy reference)")
     args = ap.parse_args(argv)
     if args.phases:
         last, receiver = phases(args.rows, args.spec, args.iters, args.kernels)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     last, receiver = path_cpu(configs, args.iters, vllm=True)
     print(f"own CPU per step, hot, median µs (rows={args.rows}, K={args.spec}, "
           f"{args.iters} steps, one process)")
-    print(f"{'codec / host kernels':<22} {'last rank':>10} {'receiver':>10}")
+    print(f"{'codec / CPU kernels':<22} {'last rank':>10} {'receiver':>10}")
     for c in [*configs, "vllm"]:
         print(f"{c:<22} {last[c]:>10.1f} {receiver[c]:>10.1f}")
     print("vllm: vLLM's scheme's host calls around its broadcasts (ppsync.bench.vllm_scheme)")

@@ -43,7 +43,7 @@ _KERNEL_PHASES = {
     "pack": "pack",
     "release": "release copies",
 }
-"""The host kernels' calls (numba's do digest, pack and frame check inside
+"""The CPU kernels' calls (numba's do digest, pack and frame check inside
 these; the numpy reference's nested frame calls get their own phases)."""
 _BUFFER_PHASES = {"take": "buffer", "give": "buffer"}
 _PATH_PHASES = {"_batch_facts": "checks: batch, mask, slot_need", "_issue": "issue"}

@@ -36,12 +36,12 @@ from ppsync.core.wire.groups import pipeline_groups
 from ppsync.debug.cli import dump_files, point_at_dumps
 from ppsync.debug.paths import check_output_file
 from ppsync.errors import ConfigError, PPSyncError, Stopped
+from ppsync.harness.local_run import format_table, run_local
 from ppsync.harness.rank import RunOptions, rank_device, run_rank
-from ppsync.harness.run import format_table, run_local
 from ppsync.harness.world import WorldEnv, joining
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import SyncConfig, frames_on_device
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 SPEC_MAX_TOKENS = 32  # --max-tokens' default with --spec: room for drafts to be accepted
 FAULT_MAX_TOKENS = 64  # with --fault: generate still running at the fault
@@ -63,7 +63,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
     fault = args.fault is not None and args.fault not in HEALTHY
     settings = tuple((name, value) for name, value in (
         ("PPSYNC_CODEC", args.codec), ("PPSYNC_CARRIER", args.carrier),
-        ("PPSYNC_HOST_KERNELS", args.host_kernels),
+        ("PPSYNC_CPU_KERNELS", args.cpu_kernels),
         ("PPSYNC_DEVICE_KERNELS", args.device_kernels), ("PPSYNC_EMULATE", args.emulate))
         if value is not None)
     # checked as the plugin will check them: a bad combination exits 2 now (the
@@ -163,7 +163,7 @@ SYNC_FLAGS = {"pp_size": "--pp-size", "max_num_reqs": "--max-num-reqs",
               "num_speculative_steps": "--spec", "ring_depth": "--ring-depth",
               "timeout_s": "--timeout", "silent_s": "--silent", "wire": "--wire",
               "codec": "--codec", "carrier": "--carrier",
-              "device_kernels": "--device-kernels", "host_kernels": "--host-kernels",
+              "device_kernels": "--device-kernels", "cpu_kernels": "--cpu-kernels",
               "flight_events": "--flight-events"}
 """SyncConfig's fields -> the flags that set them (what an error names)."""
 BENCH_FLAGS = {"pp_size": "--pp-size", "rows": "--rows", "spec": "--spec",
@@ -200,7 +200,7 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
             codec=args.codec,
             carrier=args.carrier,
             device_kernels=args.device_kernels,
-            host_kernels=args.host_kernels,
+            cpu_kernels=args.cpu_kernels,
             flight_events=args.flight_events,
         )
     if args.emulate is not None:  # before any rank starts
@@ -208,9 +208,9 @@ def _config(args: argparse.Namespace, pp_size: int) -> SyncConfig:
         check_frames(config, carried, f"gloo emulating {args.emulate}")
     # a kernel set named outright that cannot run here: a bad argument (exit 2)
     # before any rank starts ("auto" always resolves)
-    if config.host_kernels != "auto":
+    if config.cpu_kernels != "auto":
         resolve_cpu_kernels(config)
-    if config.codec == "device" and config.device_kernels != "auto":
+    if frames_on_device(config.codec) and config.device_kernels != "auto":
         resolve_device_kernels(config, torch.device(getattr(args, "device", "cpu")))
     return config
 

@@ -1,6 +1,6 @@
 """The ``ppsync`` command's arguments: the parser of every subcommand. A bad
 value is refused at parsing, in one line naming the flag, exit 2; bounds
-come from the models the flags set (ppsync.cli.bounds). Parsing imports no
+come from the models the flags set (ppsync.cli.flag_values). Parsing imports no
 torch: ``ppsync --help`` answers at once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
 
-from ppsync.cli.bounds import at_least, bounded, from_field
+from ppsync.cli.flag_values import Renamed, at_least, bounded, from_field
 from ppsync.debug.cli import add_debug_commands
 from ppsync.schemas.bench import BenchOptions
 from ppsync.schemas.bounds import field_bounds
@@ -19,10 +19,12 @@ from ppsync.schemas.config import (
     DEFAULT_TIMEOUT_S,
     CarrierName,
     CodecName,
+    CpuKernelsName,
     DeviceKernelsName,
     EmulatedName,
-    HostKernelsName,
     SyncConfig,
+    WireMode,
+    frames_on_device,
 )
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
@@ -121,6 +123,10 @@ def _sync(field: str, **kwargs: Any) -> Any:
 _pp_size = _sync("pp_size", low=2, why=PP_SIZE_ONE)
 
 
+CONFIG_DEFAULT = {name: field.default for name, field in SyncConfig.model_fields.items()}
+"""SyncConfig's defaults: a flag that sets a field never restates its default."""
+
+
 def _bench_opt(field: str) -> Any:
     return from_field(BenchOptions, field)
 
@@ -136,21 +142,27 @@ def _workload_flags(la: argparse.ArgumentParser) -> None:
     la.add_argument("--ring-depth", type=_sync("ring_depth"), default=None, metavar="D",
                     help="steps between a receive's post and its consume (default pp_size)")
     la.add_argument("--seed", type=_non_negative, default=0, help="workload seed (>= 0)")
-    la.add_argument("--wire", choices=["fixed", "exact"], default="fixed", help="frame sizing")
-    la.add_argument("--codec", choices=get_args(CodecName), default="host",
+    la.add_argument("--wire", choices=get_args(WireMode), default=CONFIG_DEFAULT["wire"],
+                    help="frame sizing")
+    la.add_argument("--codec", choices=get_args(CodecName),
+                    default=CONFIG_DEFAULT["codec"],
                     help="frame codec: host (numpy, the CPU default) or device (torch ops, "
-                    "checks deferred one step; runs on CPU tensors here) (default: host)")
-    la.add_argument("--carrier", choices=get_args(CarrierName), default="host",
+                    "checks deferred one step; runs on CPU tensors here)")
+    la.add_argument("--carrier", choices=get_args(CarrierName),
+                    default=CONFIG_DEFAULT["carrier"],
                     help="how the device codec's frames travel: host (pinned host memory "
                     "over gloo: no kernel waits on a peer) or device (the device's backend "
                     "on a side stream, as vLLM's handler)")
-    la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default="auto",
+    la.add_argument("--device-kernels", choices=get_args(DeviceKernelsName),
+                    default=CONFIG_DEFAULT["device_kernels"],
                     help="the device codec's kernels: triton, torch (ops) or auto (Triton on "
                     "CUDA/XPU where it imports, else torch); only with --codec device")
-    la.add_argument("--host-kernels", choices=get_args(HostKernelsName), default="auto",
+    la.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName),
+                    default=CONFIG_DEFAULT["cpu_kernels"],
                     help="the host-side kernels (the batch facts, with either codec; the frames "
                     "too with --codec host): numba, numpy or auto (numba where it loads, "
                     "else numpy)")
+    la.add_argument("--host-kernels", action=Renamed, new="--cpu-kernels")
     la.add_argument("--timeout", type=_sync("timeout_s"), default=DEFAULT_TIMEOUT_S,
                     help="bound on one wait for a live peer (s), from the wait's start; "
                     "launch ends a rank that completes no step for this long plus a grace")
@@ -260,15 +272,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="timing: N runs per handler, alternating (vLLM's first), each run's "
                     "generate times and median time per output token after the first call, "
                     "and the ratio ppsync / vLLM with its min-max")
-    vc.add_argument("--codec", choices=["host", "device"], default=None,
+    vc.add_argument("--codec", choices=get_args(CodecName), default=None,
                     help="ppsync's codec in its run (PPSYNC_CODEC; none: the device's default, "
                     "device with --emulate)")
     vc.add_argument("--carrier", choices=get_args(CarrierName), default=None,
                     help="how ppsync's device frames travel in its run (PPSYNC_CARRIER; none: "
                     "host)")
-    vc.add_argument("--host-kernels", choices=["auto", "numba", "numpy"], default=None,
-                    help="ppsync's host kernels in its run (PPSYNC_HOST_KERNELS)")
-    vc.add_argument("--device-kernels", choices=["auto", "triton", "torch"], default=None,
+    vc.add_argument("--cpu-kernels", choices=get_args(CpuKernelsName), default=None,
+                    help="ppsync's CPU kernels in its run (PPSYNC_CPU_KERNELS)")
+    vc.add_argument("--host-kernels", action=Renamed, new="--cpu-kernels")
+    vc.add_argument("--device-kernels", choices=get_args(DeviceKernelsName), default=None,
                     help="ppsync's device kernels in its run (PPSYNC_DEVICE_KERNELS)")
     vc.add_argument("--emulate", choices=get_args(EmulatedName), default=None,
                     help="ppsync's token groups behave as NCCL's or XCCL's: the CPU twin "
@@ -358,7 +371,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     does not go together: one line naming the flag, exit 2."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if (args.command in ("launch", "run") and args.codec != "device"
+    if (args.command in ("launch", "run") and not frames_on_device(args.codec)
             and args.device_kernels != "auto"):
         _sub(parser, args.command).error(
             f"argument --device-kernels: {args.device_kernels} is a kernel set of the "

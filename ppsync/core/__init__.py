@@ -16,8 +16,8 @@
 from ppsync.core.wire.torch_support import TORCH_OLDEST  # noqa: F401
 # isort: on
 from ppsync.core.codec import StepCodec
-from ppsync.core.codec.records import PendingStep, PreparedStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame import FrameView
 from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.core.frame.numpy_frames import NumpyFrames

@@ -6,7 +6,7 @@ files and imports only ``ppsync.schemas`` below it."""
 from ppsync.debug.load import Problem, RankDump, load, validate_file, validators
 from ppsync.debug.show import GroupReport, analyse, format_report, group_dumps
 from ppsync.debug.trace import trace
-from ppsync.debug.world import WorldReport, analyse_world, format_world, pick_world
+from ppsync.debug.world_show import WorldReport, analyse_world, format_world, pick_world
 
 __all__ = [
     "GroupReport",

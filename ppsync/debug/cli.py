@@ -3,7 +3,7 @@
 - ``ppsync dump validate FILE...``: every line against the JSON Schemas;
   exit 1 naming file, line and field of each problem.
 - ``ppsync dump show FILE... [--json]``: merge a world's dumps, every PP
-  group of it, and name the culprit (ppsync.debug.world, ppsync.debug.show).
+  group of it, and name the culprit (ppsync.debug.world_show, ppsync.debug.show).
 - ``ppsync dump trace FILE... -o trace.json``: a Chrome/Perfetto timeline.
 - ``ppsync schema export DIR``: write the JSON Schemas (ppsync.schemas.export).
 
@@ -27,7 +27,7 @@ from jsonschema.exceptions import SchemaError
 from ppsync.debug.load import RankDump, Unreadable, load, validate_file, validators
 from ppsync.debug.paths import check_output_dir, check_output_file
 from ppsync.debug.trace import trace
-from ppsync.debug.world import (
+from ppsync.debug.world_show import (
     WorldKey,
     analyse_world,
     describe,

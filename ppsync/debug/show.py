@@ -30,7 +30,7 @@ only "not at hand" (each host of a multi-host run keeps its own dump
 directory). The summary says how sure the verdict is.
 
 Dumps carry the run id the group agreed on at its handshake, and the id
-of the world: ``ppsync.debug.world`` picks one world and reads each of its
+of the world: ``ppsync.debug.world_show`` picks one world and reads each of its
 groups here.
 """
 
@@ -100,7 +100,7 @@ class Divergence(BaseModel):
 
 class GroupReport(BaseModel):
     """One group's report (``ppsync dump show --json`` prints each inside the
-    world's, ppsync.debug.world)."""
+    world's, ppsync.debug.world_show)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ppsync.core.codec.released import ReleasedStep
-from ppsync.harness.workload import ScheduledStep, Workload
+from ppsync.harness.synthetic_workload import ScheduledStep, Workload
 
 
 @dataclass(slots=True)

@@ -28,9 +28,9 @@ from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
 from ppsync.harness import step_board
 from ppsync.harness.checker import Checker
-from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
+from ppsync.harness.synthetic_workload import ScheduledStep, Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 from ppsync.services.runtime import open_rank
 
 Framework = Literal["asyncio", "trio"]
@@ -265,7 +265,7 @@ def with_kernels(report: RankReport, path: TokenPath) -> RankReport:
     """``report`` naming the kernel sets ``path`` resolved ("auto" chosen)."""
     device = path.codec.device_kernels_name
     return report.model_copy(update={
-        "host_kernels": path.codec.kernels.name,
+        "cpu_kernels": path.codec.kernels.name,
         "device_kernels": None if device == "none" else device})
 
 

@@ -40,7 +40,7 @@ from ppsync.harness.driver import (
 from ppsync.harness.lifetime import set_process_name
 from ppsync.harness.world import WorldEnv
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport, RunReport
+from ppsync.schemas.run_report import RankReport, RunReport
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """A model field's numeric bounds, read from its own constraints
 (``Field(ge=..., le=...)``): the model is the one place a bound is written;
-flags (ppsync.cli.bounds) and environment variables (ppsync.compat.env)
+flags (ppsync.cli.flag_values) and environment variables (ppsync.compat.env)
 read it here and word it the same way."""
 
 from __future__ import annotations

@@ -26,10 +26,24 @@ WireMode = Literal["fixed", "exact"]
 CodecName = Literal["host", "device"]
 CarrierName = Literal["host", "device"]
 """How the device codec's frames travel (ppsync.core.wire.backends.CARRIERS)."""
-HostKernelsName = Literal["auto", "numba", "numpy"]
+CpuKernelsName = Literal["auto", "numba", "numpy"]
 DeviceKernelsName = Literal["auto", "triton", "torch"]
 EmulatedName = Literal["nccl", "xccl"]
 """The backends whose completion semantics the CPU twin emulates (``--emulate``)."""
+
+
+
+def frames_on_device(codec: str) -> bool:
+    """Whether frames of the codec named ``codec`` live on the engine's
+    device (the device codec) rather than on the host: decided here only
+    (no torch, so the command's parser asks it too); a codec object says the
+    same as ``on_device``."""
+    return codec == "device"
+
+
+RENAMED_FIELDS = {"host_kernels": "cpu_kernels"}
+"""SyncConfig's old field names, each refused naming its new one: no alias,
+as no release has shipped under the old name."""
 
 DEFAULT_TIMEOUT_S = 300.0
 """The bound on one wait for a live peer when none is given (SyncConfig's,
@@ -89,7 +103,7 @@ class SyncConfig(BaseModel):
     device waits on a peer) or 'device' (the device's own backend, NCCL or
     XCCL, on a side stream). The host codec's frames are host frames either
     way. Every rank must use the same (the handshake compares it)."""
-    host_kernels: HostKernelsName = "auto"
+    cpu_kernels: CpuKernelsName = "auto"
     """The host path's per-step kernels: 'numba' (compiled calls: the view's
     facts, the sampler values, the pack; the frame's check and release;
     the extra ppsync[jit]), 'numpy' (the reference), or 'auto'
@@ -106,6 +120,15 @@ class SyncConfig(BaseModel):
     flight_events: int = Field(default=4096, ge=0, le=1 << 18)
     """Events the flight recorder keeps (the newest; 0 = recorder off). A
     rank-local setting: ranks need not agree on it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_old_names(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for old, new in RENAMED_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"{old} is now {new}")
+        return data
 
     @model_validator(mode="after")
     def _depth_within_pp_size(self) -> SyncConfig:

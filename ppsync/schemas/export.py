@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from ppsync.schemas.bench import BenchReport
 from ppsync.schemas.dump import DumpEvent, DumpFooter, DumpHeader
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import Relayed
 from ppsync.core.wire.completion import Completion, HostCompleted
-from ppsync.core.wire.completion.base import POLL_FIRST_S, POLL_MAX_S
+from ppsync.core.wire.completion.semantics import POLL_FIRST_S, POLL_MAX_S
 from ppsync.core.wire.teardown import exit_hazard
 from ppsync.core.wire.transport import has_ended
 from ppsync.core.wire.waits import WaitWatch, wait_slices

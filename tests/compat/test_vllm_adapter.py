@@ -22,7 +22,7 @@ from ppsync.compat.vllm import PPHandler, SampledOutputs
 from ppsync.errors import BatchError, ConfigError, ProtocolError, RoleError
 from ppsync.harness.checker import Checker
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.harness.workload import ScheduledStep, Workload, WorkloadConfig
+from ppsync.harness.synthetic_workload import ScheduledStep, Workload, WorkloadConfig
 
 CPU = torch.device("cpu")
 MAX_NUM_REQS = 8

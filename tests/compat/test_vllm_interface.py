@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
@@ -22,13 +23,16 @@ import torch
 from vllm_standin import write_dist_info
 
 from ppsync.compat.vllm import PPHandler
-from ppsync.compat.vllm.checks import rebuilt_like
+from ppsync.compat.vllm.arg_checks import rebuilt_like
 from ppsync.compat.vllm.handler import handler_class
 from ppsync.compat.vllm.versions import (
     EAGLE3_UTILS,
     ENV_INTERFACE,
     INTERFACES,
+    RUNNER_OF,
+    TABLE,
     XPU_MICROBATCH,
+    Interface,
     installed_vllm_version,
     interface_for_version,
     interfaces_from_env,
@@ -38,6 +42,14 @@ from ppsync.compat.vllm.versions import (
 )
 from ppsync.errors import BatchError, ConfigError, ProtocolError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
+
+
+def test_the_interface_type_names_the_tables_interfaces_each_once() -> None:
+    # Interface is the table's names spelt for the type checker: the two must agree
+    assert get_args(Interface) == INTERFACES
+    assert len(set(INTERFACES)) == len(TABLE)
+    assert set(RUNNER_OF) == set(INTERFACES)
+
 
 NO_VLLM = importlib.util.find_spec("vllm") is None and installed_vllm_version() is None
 needs_no_vllm = pytest.mark.skipif(not NO_VLLM, reason="a vLLM is installed here")

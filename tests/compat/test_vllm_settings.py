@@ -17,6 +17,7 @@ import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_type_hints
 
 import numpy as np
 import pytest
@@ -28,9 +29,9 @@ from ppsync.compat.vllm import PPHandler, plugin
 from ppsync.compat.vllm.plugin import ENV_SWITCH, EXIT_STATUS, MODEL_RUNNER, PP_UTILS, register
 from ppsync.compat.vllm.settings import (
     ENV_CODEC,
+    ENV_CPU_KERNELS,
     ENV_DEVICE_KERNELS,
     ENV_EMULATE,
-    ENV_HOST_KERNELS,
     ENV_ON_ERROR,
     ENV_SILENT,
     ENV_TIMEOUT,
@@ -39,11 +40,21 @@ from ppsync.compat.vllm.settings import (
     plugin_settings,
     settings_from_env,
 )
+from ppsync.compat.vllm.v0_34_cpu import PPHandler034Cpu
 from ppsync.core.codec.cpu_kernels import numba_error
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.errors import BatchError, ConfigError, PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+    SyncConfig,
+)
 
 
 def _cpu() -> None:
@@ -55,7 +66,7 @@ def parse(**env: str) -> PluginSettings:
 
 
 def test_unset_gives_todays_defaults() -> None:
-    assert parse() == PluginSettings(codec=None, host_kernels="auto", device_kernels="auto",
+    assert parse() == PluginSettings(codec=None, cpu_kernels="auto", device_kernels="auto",
                                      timeout_s=DEFAULT_TIMEOUT_S, silent_s=DEFAULT_SILENT_S,
                                      emulate=None, dump_dir=None, on_error="exit")
     assert parse(PPSYNC_CODEC="", PPSYNC_TIMEOUT_S=" ", PPSYNC_SILENT_S="") == parse()
@@ -68,13 +79,29 @@ def test_codec() -> None:
         parse(PPSYNC_CODEC="gpu")
 
 
-def test_host_kernels() -> None:
-    assert parse(PPSYNC_HOST_KERNELS="numpy").host_kernels == "numpy"
-    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS = 'jit' must be one of auto, "
+def test_cpu_kernels() -> None:
+    assert parse(PPSYNC_CPU_KERNELS="numpy").cpu_kernels == "numpy"
+    with pytest.raises(ConfigError, match=r"^PPSYNC_CPU_KERNELS = 'jit' must be one of auto, "
                                           r"numba, numpy$"):
-        parse(PPSYNC_HOST_KERNELS="jit")
+        parse(PPSYNC_CPU_KERNELS="jit")
     if numba_error() is None:
-        assert parse(PPSYNC_HOST_KERNELS="numba").host_kernels == "numba"
+        assert parse(PPSYNC_CPU_KERNELS="numba").cpu_kernels == "numba"
+
+
+def test_the_old_name_of_the_cpu_kernels_variable_is_refused_naming_the_new() -> None:
+    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS is now PPSYNC_CPU_KERNELS$"):
+        parse(PPSYNC_HOST_KERNELS="numpy")
+    with pytest.raises(ConfigError, match=r"^PPSYNC_HOST_KERNELS is now PPSYNC_CPU_KERNELS$"):
+        parse(PPSYNC_HOST_KERNELS="numpy", PPSYNC_CPU_KERNELS="numpy")
+
+
+def test_the_handlers_and_the_settings_take_sync_configs_value_types() -> None:
+    want = {"codec": CodecName | None, "carrier": CarrierName, "cpu_kernels": CpuKernelsName,
+            "device_kernels": DeviceKernelsName, "emulate": EmulatedName | None}
+    for hints in (get_type_hints(PPHandler.__init__), get_type_hints(PPHandler034Cpu.__init__),
+                  get_type_hints(PluginSettings)):
+        assert {name: hints[name] for name in want} == want
+    assert get_type_hints(SyncConfig)["cpu_kernels"] == CpuKernelsName
 
 
 def test_device_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +189,7 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize(("name", "value"), [
-    (ENV_CODEC, "gpu"), (ENV_HOST_KERNELS, "jit"), (ENV_DEVICE_KERNELS, "cuda"),
+    (ENV_CODEC, "gpu"), (ENV_CPU_KERNELS, "jit"), (ENV_DEVICE_KERNELS, "cuda"),
     (ENV_TIMEOUT, "-1"), (ENV_EMULATE, "gloo"), (ENV_ON_ERROR, "hang"),
 ])
 def test_a_bad_value_fails_the_plugin_at_load_and_replaces_nothing(

@@ -14,7 +14,7 @@ import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.schemas.export import DIALECT, MODELS, export
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -48,8 +48,8 @@ from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
 
 VARIANTS: list[dict[str, str]] = [
-    {"codec": "host", "host_kernels": "numpy"},  # the reference
-    {"codec": "host", "host_kernels": "numba"},
+    {"codec": "host", "cpu_kernels": "numpy"},  # the reference
+    {"codec": "host", "cpu_kernels": "numba"},
     {"codec": "device", "device_kernels": "torch"},
     {"codec": "device", "device_kernels": "triton"},  # in Triton's interpreter
     # the device codec on the CPU twin of NCCL (tests/twin_mode.py)
@@ -203,8 +203,8 @@ def _fuzz_base(step: Step, bad: Bad) -> Step:
 def _uses(path: TokenPath, variant: dict[str, str]) -> None:
     """The path runs the kernels the variant names (none silently swapped)."""
     codec = path.codec
-    if "host_kernels" in variant:
-        assert codec.kernels.name == variant["host_kernels"]
+    if "cpu_kernels" in variant:
+        assert codec.kernels.name == variant["cpu_kernels"]
     if "device_kernels" in variant:
         assert codec.device_kernels_name == variant["device_kernels"]
     if "carrier" in variant:

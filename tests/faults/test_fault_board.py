@@ -35,7 +35,7 @@ from helpers import engine_step, sync_engine_step
 
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
-from ppsync.core.wire.completion.base import GLOO_TIMEOUT_MARGIN_S
+from ppsync.core.wire.completion.semantics import GLOO_TIMEOUT_MARGIN_S
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.driver import StepLoop, run_sync_rank, workload_config

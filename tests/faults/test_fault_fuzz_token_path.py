@@ -70,7 +70,7 @@ from fault_fuzz_inputs import Bad, collect, int_tensor, replace_field, uniform
 from fault_tools import watchdog
 from hypothesis import strategies as st
 
-from ppsync.core.codec.records import PreparedStep
+from ppsync.core.codec.steps import PreparedStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.facts import batch_facts
@@ -81,13 +81,13 @@ from ppsync.schemas.config import SyncConfig
 EXAMPLES = 240  # bad calls, one per round
 AFTER_CLOSE_EXAMPLES = 60  # calls after close(), per rank
 KERNELS = ("numpy", "numba")
-"""The host kernel sets (SyncConfig.host_kernels): each runs the whole fuzz."""
+"""The CPU kernel sets (SyncConfig.cpu_kernels): each runs the whole fuzz."""
 
 
 def _config(kernels: str) -> SyncConfig:
     return SyncConfig.build(
         pp_size=2, max_num_reqs=MAX_NUM_REQS, num_speculative_steps=K, ring_depth=1,
-        timeout_s=TIMEOUT_S, wire="fixed", host_kernels=kernels,
+        timeout_s=TIMEOUT_S, wire="fixed", cpu_kernels=kernels,
     )
 
 # -- valid values ---------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_every_entry_after_close_is_a_protocol_error(world: list[RankRun]) -> No
 
 
 def test_every_kernel_set_raises_the_same_errors() -> None:
-    """The same schedule through each host kernel set: the same error type
+    """The same schedule through each CPU kernel set: the same error type
     and message for every bad call, on every rank."""
     ref = _world(KERNELS[0])
     for kernels in KERNELS[1:]:

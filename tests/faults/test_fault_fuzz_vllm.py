@@ -334,7 +334,7 @@ def _handler_rank(kernels: str, env: RankEnv) -> RankRun:
     schedule = collect(bad_calls(), EXAMPLES)
     agree(env, "vllm", schedule)
     h = PPHandler(MAX_NUM_REQS, K, CPU, ring_depth=1, timeout_s=TIMEOUT_S,
-                  host_kernels=kernels)  # type: ignore[arg-type]
+                  cpu_kernels=kernels)  # type: ignore[arg-type]
     assert h.is_last_rank == (env.rank == LAST)
     attempts: list[Attempt] = []
     wrong: list[str] = []
@@ -371,7 +371,7 @@ def _handler_rank(kernels: str, env: RankEnv) -> RankRun:
 
 
 KERNELS = ("numpy", "numba")
-"""The host kernel sets (SyncConfig.host_kernels): each runs the whole fuzz."""
+"""The CPU kernel sets (SyncConfig.cpu_kernels): each runs the whole fuzz."""
 _WORLDS: dict[str, list[RankRun]] = {}
 
 
@@ -434,7 +434,7 @@ def test_every_method_after_close_is_a_protocol_error(world: list[RankRun]) -> N
 
 
 def test_every_kernel_set_raises_the_same_errors() -> None:
-    """The same schedule through each host kernel set: the same error type
+    """The same schedule through each CPU kernel set: the same error type
     and message for every bad call, on every rank."""
     ref = _world(KERNELS[0])
     for kernels in KERNELS[1:]:

@@ -27,9 +27,9 @@ from ppsync.harness.driver import (
     workload_config,
 )
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.harness.run import run_local
+from ppsync.harness.local_run import run_local
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 PP_SIZE = 3
 TIMEOUT_S = 20.0

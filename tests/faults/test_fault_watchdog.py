@@ -31,7 +31,7 @@ import torch.distributed as dist
 from helpers import decode_view
 
 from ppsync.core.path.token_path import TokenPath
-from ppsync.core.wire.completion import base, emulate
+from ppsync.core.wire.completion import emulate, semantics
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import PPSyncError, RankFailed
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -97,7 +97,7 @@ def _rank(out: Path, stop: bool, env: RankEnv) -> None:
 @pytest.mark.timeout(IDLE_S + 60)
 def test_an_idle_receiver_gets_ppsyncs_error_not_the_watchdogs_kill(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base, "NCCL_TIMEOUT_MARGIN_S", MARGIN_S)  # the ranks are forks
+    monkeypatch.setattr(semantics, "NCCL_TIMEOUT_MARGIN_S", MARGIN_S)  # the ranks are forks
     with pytest.raises(RankFailed) as info:
         spawn_ranks(functools.partial(_rank, tmp_path, True), 2, timeout_s=IDLE_S + 20)
     # the receiver returned normally: only the last rank died, by our SIGKILL
@@ -114,7 +114,7 @@ def test_an_idle_receiver_gets_ppsyncs_error_not_the_watchdogs_kill(
 @pytest.mark.timeout(SLOW_S + 60)
 def test_a_slow_last_rank_is_waited_for_by_an_idle_receiver(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base, "NCCL_TIMEOUT_MARGIN_S", MARGIN_S)
+    monkeypatch.setattr(semantics, "NCCL_TIMEOUT_MARGIN_S", MARGIN_S)
     spawn_ranks(functools.partial(_rank, tmp_path, False), 2, timeout_s=SLOW_S + 30)
     idle = Idle(**json.loads((tmp_path / "idle.json").read_text()))
     assert idle.error == "", idle

@@ -24,7 +24,7 @@ import torch
 import yaml
 from netns import IFNAME, Hosts, netns_unavailable
 
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 K8S = Path(__file__).resolve().parents[2] / "services" / "k8s"
 MANIFEST = K8S / "preflight-lws.yaml"

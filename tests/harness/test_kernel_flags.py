@@ -1,4 +1,4 @@
-"""``ppsync launch`` / ``run`` choose the kernel sets (``--host-kernels``,
+"""``ppsync launch`` / ``run`` choose the kernel sets (``--cpu-kernels``,
 ``--device-kernels``): every variant runs from the command line, the report
 names them, and a set that cannot run here is a bad argument (exit 2) before
 any rank starts."""
@@ -13,15 +13,15 @@ import pytest
 from ppsync.cli import main
 from ppsync.core.codec.cpu_kernels import numba_error
 from ppsync.core.codec.device_kernels import triton_error
-from ppsync.schemas.report import RunReport
+from ppsync.schemas.run_report import RunReport
 
 NO_NUMBA = pytest.mark.skipif(numba_error() is not None, reason="numba cannot be loaded here")
 
 
 @pytest.mark.parametrize(
     ("codec", "flag", "value"),
-    [("host", "--host-kernels", "numpy"),
-     pytest.param("host", "--host-kernels", "numba", marks=NO_NUMBA),
+    [("host", "--cpu-kernels", "numpy"),
+     pytest.param("host", "--cpu-kernels", "numba", marks=NO_NUMBA),
      ("device", "--device-kernels", "torch")],
     ids=["host-numpy", "host-numba", "device-torch"],
 )
@@ -47,8 +47,22 @@ def test_help_shows_the_kernel_flags_and_their_defaults(
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--device-kernels {auto,triton,torch}" in text
-    assert "--host-kernels {auto,numba,numpy}" in text
+    assert "--cpu-kernels {auto,numba,numpy}" in text
     assert text.count("(default: auto)") >= 2
+
+
+@pytest.mark.parametrize("command", ["launch", "run", "vllm-check"])
+def test_the_old_cpu_kernels_flag_is_refused_naming_the_new(
+    command: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--host-kernels", "numpy"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"ppsync {command}: error: --host-kernels is now --cpu-kernels\n"
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--host-kernels" not in capsys.readouterr().out
 
 
 def test_a_kernel_set_that_cannot_run_here_exits_2_before_any_rank(

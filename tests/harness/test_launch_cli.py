@@ -15,9 +15,9 @@ import ppsync.cli.commands
 from ppsync.cli import main
 from ppsync.errors import RankFailed
 from ppsync.harness.driver import Framework
-from ppsync.harness.run import format_table, run_local
+from ppsync.harness.local_run import format_table, run_local
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport, RunReport
+from ppsync.schemas.run_report import RankReport, RunReport
 
 
 def _exit_code(argv: Sequence[str]) -> int:
@@ -41,7 +41,7 @@ def test_launch_prints_ok_table_and_writes_a_valid_report(
     assert re.match(r"\s*0\s+0 receiver\s+60 ", lines[1]), lines[1]
     assert re.match(r"\s*1\s+0 last\s+60 ", lines[2]), lines[2]
     assert re.search(r"world=2 pp_size=2 K=2 D=2 max_num_reqs=8 wire=fixed codec=host "
-                     r"host_kernels=(numba|numpy) mode=sync -> OK",  # as resolved, not "auto"
+                     r"cpu_kernels=(numba|numpy) mode=sync -> OK",  # as resolved, not "auto"
                      lines[3])
 
     report = RunReport.model_validate_json(path.read_text())
@@ -86,7 +86,7 @@ def test_launch_async_reports_async_mode(
     argv = ["launch", "--pp-size", "2", "--steps", "40", "--max-num-reqs", "8", "--wire",
             "exact", "--async", framework, "--timeout", "20", "--report", str(path)]
     assert main(argv) == 0
-    assert re.search(rf"wire=exact codec=host host_kernels=(numba|numpy) mode={framework} -> OK",
+    assert re.search(rf"wire=exact codec=host cpu_kernels=(numba|numpy) mode={framework} -> OK",
                      capsys.readouterr().out)
     report = RunReport.model_validate_json(path.read_text())
     assert report.mode == "async" and report.framework == framework and report.ok
@@ -207,7 +207,7 @@ def test_launch_on_the_cpu_twin_of_nccl_reports_the_engine_stream_waits(
     assert out.strip().endswith("-> OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"), out
     # the verdict line names what the run used: the sets as resolved, the emulation
     assert re.search(r"codec=device carrier=device device_kernels=torch "
-                     r"host_kernels=(numba|numpy) emulate=nccl mode=sync -> OK", out), out
+                     r"cpu_kernels=(numba|numpy) emulate=nccl mode=sync -> OK", out), out
 
 
 def test_launch_with_the_host_carrier_on_the_twin_reports_its_copies(

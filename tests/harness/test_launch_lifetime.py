@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from ppsync.harness.lifetime import kill_session, session_processes
-from ppsync.harness.run import STALL_GRACE_S
-from ppsync.schemas.report import RunReport
+from ppsync.harness.local_run import STALL_GRACE_S
+from ppsync.schemas.run_report import RunReport
 
 LAUNCH = [sys.executable, "-m", "ppsync", "launch", "--pp-size", "2", "--steps", "10000000",
           "--timeout", "5", "--max-num-reqs", "8", "--progress-every", "0.5"]

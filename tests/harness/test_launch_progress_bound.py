@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ppsync.harness.driver import StepLoop
-from ppsync.harness.run import STALL_GRACE_S, run_local
+from ppsync.harness.local_run import STALL_GRACE_S, run_local
 from ppsync.schemas.config import SyncConfig
 
 STEP_S = 0.1  # each step's pause: 5x the old budget's 10 ms x 2 ranks

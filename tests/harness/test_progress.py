@@ -8,8 +8,8 @@ import re
 
 import pytest
 
+from ppsync.harness.local_run import run_local
 from ppsync.harness.rank import Progress
-from ppsync.harness.run import run_local
 from ppsync.schemas.config import SyncConfig
 
 LINE = re.compile(r"ppsync: step (\d+)/(\d+)(?: \((\d+) \+ (\d+) drain\))?  (\d+) steps/s  "

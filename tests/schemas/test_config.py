@@ -72,6 +72,13 @@ def test_extra_field_is_forbidden() -> None:
         SyncConfig.build(pp_size=2, max_num_reqs=8, bogus=1)
 
 
+def test_the_old_name_of_cpu_kernels_is_refused_naming_the_new() -> None:
+    with pytest.raises(ConfigError, match=r"^invalid SyncConfig: host_kernels is now cpu_kernels$"):
+        SyncConfig.build(pp_size=2, max_num_reqs=8, host_kernels="numpy")
+    with pytest.raises(ValidationError, match=r"host_kernels is now cpu_kernels"):
+        SyncConfig(pp_size=2, max_num_reqs=8, host_kernels="numpy")  # type: ignore[call-arg]
+
+
 def test_missing_required_field_is_named() -> None:
     with pytest.raises(ConfigError, match=r"max_num_reqs: required, not given"):
         SyncConfig.build(pp_size=2)

@@ -19,7 +19,7 @@ from ppsync.core.wire.groups import token_group
 from ppsync.harness.driver import Framework, run_async_rank_blocking, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 TIMEOUT_S = 20.0
 STEPS = 160
@@ -42,7 +42,7 @@ KNOBS: dict[str, object] = {
 
 def _delivery_rank(config: SyncConfig, framework: Framework, mode: Mode,
                    env: RankEnv) -> RankReport:
-    # as ppsync.harness.run._rank does: a token group, a failure board in the
+    # as ppsync.harness.local_run._rank does: a token group, a failure board in the
     # parent's store, the anyio services under anyio.run on ``framework``
     group = token_group(dist.group.WORLD, timeout_s=config.timeout_s)  # type: ignore[arg-type]
     mode_group(group, mode)

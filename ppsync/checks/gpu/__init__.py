@@ -3,7 +3,7 @@ check (docs/operations.md, "GPU check").
 
 - check.py: the table, its bounds and summary; ``python3 -m
   ppsync.checks.gpu.check`` runs it;
-- steps.py: per-step timing of each scheme (row e);
+- step_costs.py: per-step timing of each scheme (row e);
 - workload_checks.py: rows a-e; stream_checks.py: f-i;
   failure_checks.py: j-l; capture_check.py: m; carrier_checks.py: n-p.
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.common import FixedStep, fixed_step
-from ppsync.checks.gpu.steps import sync_guard_live
+from ppsync.checks.gpu.step_costs import sync_guard_live
 from ppsync.checks.gpu.stream_checks import device_of
 from ppsync.checks.gpu.workload_checks import delivered_exactly, no_host_sync
 from ppsync.core.codec.carriers import STATS as COPY_STATS

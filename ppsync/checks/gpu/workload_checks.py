@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppsync.checks.gpu.steps import sync_guard_live, time_schemes, timing_verdict
+from ppsync.checks.gpu.step_costs import sync_guard_live, time_schemes, timing_verdict
 from ppsync.checks.gpu.stream_checks import (
     carrier_over,
     decode_view,
@@ -36,7 +36,7 @@ from ppsync.errors import BatchError
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 TIMEOUT_S = 30.0
 """The token paths' timeout_s here (and each rank launch's bound)."""
@@ -295,7 +295,7 @@ def check_d(gpus: int, late_s: float = LATE_S) -> tuple[bool, str]:
 
 def check_e(rows: int = 256, iters: int = 200) -> tuple[bool, str]:
     """Per step, per role, on GPU 0: host µs / device µs of each scheme
-    (ppsync.checks.gpu.steps), every token-path call under sync debug "error"
+    (ppsync.checks.gpu.step_costs), every token-path call under sync debug "error"
     (a host sync raises: FAIL), the guard itself shown live first."""
     dev = device_of(0)
     if not sync_guard_live(dev):

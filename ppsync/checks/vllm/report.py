@@ -21,14 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ppsync.compat.vllm.calls import HANDLER_CALLS
+
 __all__ = ["NGRAM_METHODS", "RunResult", "SpecFigures", "WorkerRecord", "failures", "format_report",
            "handler_failures", "path_line", "read_workarounds", "read_worker_records",
            "spec_figures", "token_differences"]
 
 NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's model-free proposers (prompt lookup)
-TIMED = ("receive", "broadcast", "broadcast_drafts", "get_prev_sampled_outputs")
 MULTI_SHOWN = 12  # steps listed where a row had num_sampled > 1
-PATH_FACTS = ("codec", "carrier", "host_kernels", "device_kernels", "completion",
+PATH_FACTS = ("codec", "carrier", "cpu_kernels", "device_kernels", "completion",
               "token_backend")
 
 
@@ -139,7 +140,7 @@ def read_worker_records(record_dir: Path) -> tuple[WorkerRecord, ...]:
     workers = []
     for path in sorted(record_dir.glob("worker-*.jsonl")):
         head: dict[str, object] | None = None
-        calls: dict[str, list[float]] = {name: [] for name in TIMED}
+        calls: dict[str, list[float]] = {name: [] for name in HANDLER_CALLS}
         all_rows = steps = 0
         rows: list[int] = []
         multi: list[int] = []
@@ -242,7 +243,7 @@ def path_line(w: WorkerRecord) -> str:
     if "twin of" in p.get("completion", "") and w.twin is None:
         twin = "; twin: no wait counted"
     kernels = (f"device kernels {p.get('device_kernels')}" if p.get("codec") == "device"
-               else f"host kernels {p.get('host_kernels')}")
+               else f"CPU kernels {p.get('cpu_kernels')}")
     return (f"codec {p.get('codec')}, {kernels}, semantics {p.get('completion')}{twin}")
 
 

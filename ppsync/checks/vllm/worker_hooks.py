@@ -17,8 +17,8 @@ variable the check sets:
   so Triton never picks it to compile for.
 - ``PPSYNC_VLLM_CHECK_RECORD=DIR``: when vLLM's GPU model runner (which its
   CPU runner subclasses) has been built, writes which handler class it built
-  to ``DIR/worker-<pid>.jsonl``, then one line per
-  ``get_prev_sampled_outputs``, ``receive`` and ``broadcast`` call with its
+  to ``DIR/worker-<pid>.jsonl``, then one line per handler call vLLM
+  makes per step (ppsync.compat.vllm.calls.HANDLER_CALLS) with its
   duration (and, for ``receive``, what it returned and the batch's rows).
   For ppsync's handler the first line also says which codec, kernel sets
   and completion semantics it really runs, and on the CPU twin a line
@@ -71,7 +71,7 @@ PPSYNC_HANDLER = "ppsync.compat.vllm.handler"
 PPSYNC_PLUGIN = "ppsync.compat.vllm.plugin"
 NODE_RECORD = "ppsync.checks.vllm.node_record"  # imported once vLLM runs
 WORKER_FAULTS = "ppsync.checks.vllm.worker_faults"  # the same
-TIMED_CALLS = ("get_prev_sampled_outputs", "receive", "broadcast", "broadcast_drafts")
+PPSYNC_CALLS = "ppsync.compat.vllm.calls"  # HANDLER_CALLS: the calls timed here
 
 
 class _StandInDriver:
@@ -167,7 +167,7 @@ def _record_handler(runner: Any, record_dir: Path) -> None:
     if slow is not None:  # the worker calls its runner's execute_model by attribute
         runner.execute_model = slow
     frames = (lambda: int(handler.token_path.seq)) if ours else None
-    for name in TIMED_CALLS:
+    for name in importlib.import_module(PPSYNC_CALLS).HANDLER_CALLS:
         setattr(handler, name, _timed(name, getattr(handler, name), out, stats, fault, frames))
 
 
@@ -184,8 +184,8 @@ def path_facts(path: Any) -> dict[str, object]:
     codec = path.codec
     words = importlib.import_module("ppsync.core.frame.layout").FrameLayout(
         path.config).words(path.config.max_num_reqs)
-    carrier = path.config.carrier if path.config.codec == "device" else "-"
-    return {"codec": path.config.codec, "carrier": carrier, "host_kernels": codec.kernels.name,
+    carrier = path.config.carrier if codec.on_device else "-"
+    return {"codec": path.config.codec, "carrier": carrier, "cpu_kernels": codec.kernels.name,
             "device_kernels": codec.device_kernels_name, "completion": path.completion.name,
             "frame_bytes": 8 * int(words), "token_backend": str(path.backend)}
 

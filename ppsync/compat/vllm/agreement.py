@@ -39,9 +39,9 @@ from typing import Protocol
 from ppsync.compat.vllm.settings import (
     ENV_CARRIER,
     ENV_CODEC,
+    ENV_CPU_KERNELS,
     ENV_DEVICE_KERNELS,
     ENV_EMULATE,
-    ENV_HOST_KERNELS,
     ENV_ON_ERROR,
     ENV_SILENT,
     ENV_TIMEOUT,
@@ -54,7 +54,7 @@ __all__ = ["KEY", "Peers", "RankFacts", "StoreLike", "agree", "differences", "fa
 KEY = "ppsync/vllm/rank/{rank}"
 """Each global rank's facts in the PP group's store."""
 POLL_S = 0.2
-SETTING_NAMES = {"codec": ENV_CODEC, "carrier": ENV_CARRIER, "host_kernels": ENV_HOST_KERNELS,
+SETTING_NAMES = {"codec": ENV_CODEC, "carrier": ENV_CARRIER, "cpu_kernels": ENV_CPU_KERNELS,
                  "device_kernels": ENV_DEVICE_KERNELS, "timeout_s": ENV_TIMEOUT,
                  "silent_s": ENV_SILENT, "emulate": ENV_EMULATE, "on_error": ENV_ON_ERROR}
 """How a message names a setting: by the variable an operator sets."""

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-from ppsync.compat.vllm.checks import rebuilt_like
+from ppsync.compat.vllm.arg_checks import rebuilt_like
 from ppsync.compat.vllm.versions import relay_keys_of
 from ppsync.errors import BatchError, ConfigError
 

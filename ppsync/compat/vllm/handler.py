@@ -36,9 +36,9 @@ from typing import Any, ClassVar, Literal, NotRequired, TypedDict
 import torch
 import torch.distributed as dist
 
+from ppsync.compat.vllm.arg_checks import NOT_GIVEN, check_empty_table, detached
 from ppsync.compat.vllm.aux_relay import AuxRelay, AuxRelayCalls
 from ppsync.compat.vllm.calls import HANDLER_CALLS, guarded
-from ppsync.compat.vllm.checks import NOT_GIVEN, check_empty_table, detached
 from ppsync.compat.vllm.held import HeldStep
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.settings import handler_path
@@ -49,14 +49,23 @@ from ppsync.compat.vllm.versions import (
     resolve_interface,
 )
 from ppsync.core.codec import StepDrafts, default_codec
-from ppsync.core.codec.records import PreparedStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PreparedStep
 from ppsync.core.path.names import CallNames
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.board import FailureBoard
 from ppsync.errors import ConfigError, PPSyncError, ProtocolError
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+    SyncConfig,
+)
 
 __all__ = ["HANDLER_CALLS", "PPHandler", "SampledOutputs", "handler_class"]
 
@@ -91,8 +100,8 @@ class PPHandler(AuxRelayCalls):
     ``board``: where ranks post failures ("group", the default: in the token
     group's own store; None: no board); ``codec``: None picks the device codec
     for a non-CPU device or with ``emulate``; ``carrier``: how device frames
-    travel (SyncConfig.carrier); ``host_kernels``: the host path's kernels
-    (SyncConfig.host_kernels); ``device_kernels``: the device path's
+    travel (SyncConfig.carrier); ``cpu_kernels``: the host path's kernels
+    (SyncConfig.cpu_kernels); ``device_kernels``: the device path's
     (SyncConfig.device_kernels); ``emulate``: "nccl" | "xccl", the token group
     behaves as that backend's (the CPU twin: CPU tensors, the device codec).
     Bad values raise :class:`ConfigError` before any collective.
@@ -141,12 +150,12 @@ class PPHandler(AuxRelayCalls):
         silent_s: float = DEFAULT_SILENT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
-        codec: Literal["host", "device"] | None = None,
-        carrier: Literal["host", "device"] = "host",
-        host_kernels: Literal["auto", "numba", "numpy"] = "auto",
-        device_kernels: Literal["auto", "triton", "torch"] = "auto",
+        codec: CodecName | None = None,
+        carrier: CarrierName = "host",
+        cpu_kernels: CpuKernelsName = "auto",
+        device_kernels: DeviceKernelsName = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
-        emulate: Literal["nccl", "xccl"] | None = None,
+        emulate: EmulatedName | None = None,
     ) -> None:
         if interface is not None and resolve_interface(interface) != self.interface:
             raise ConfigError(f"interface = {interface!r}, but {type(self).__name__} serves "
@@ -165,8 +174,8 @@ class PPHandler(AuxRelayCalls):
             raise ConfigError(f"device = {device!r} is not a torch device ({e})") from None
         if ring_depth is None:
             ring_depth = self.default_ring_depth(self.device)
-        if codec is None:  # the twin carries device frames, as NCCL does
-            codec = "device" if emulate is not None else default_codec(self.device)
+        if codec is None:
+            codec = default_codec(self.device, emulated=emulate is not None)
         config = SyncConfig.build(
             pp_size=dist.get_world_size(pp_group),
             max_num_reqs=max_num_reqs,
@@ -176,7 +185,7 @@ class PPHandler(AuxRelayCalls):
             silent_s=silent_s,
             codec=codec,
             carrier=carrier,
-            host_kernels=host_kernels,
+            cpu_kernels=cpu_kernels,
             device_kernels=device_kernels,
         )
         self.config = config

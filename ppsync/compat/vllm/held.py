@@ -21,7 +21,7 @@ import sys
 import threading
 from types import FrameType
 
-from ppsync.core.codec.records import PreparedStep
+from ppsync.core.codec.steps import PreparedStep
 
 __all__ = ["HeldStep"]
 

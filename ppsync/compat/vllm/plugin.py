@@ -21,7 +21,7 @@ import, from pp_utils):
   ``PPHandler(max_num_reqs=..., device=...)``; where that module cannot be
   imported (a vLLM built for another device) it is left alone, and logged.
 
-The operator's settings (``PPSYNC_CODEC``, ``PPSYNC_HOST_KERNELS``,
+The operator's settings (``PPSYNC_CODEC``, ``PPSYNC_CPU_KERNELS``,
 ``PPSYNC_DEVICE_KERNELS``, ``PPSYNC_TIMEOUT_S``, ``PPSYNC_SILENT_S``, ``PPSYNC_EMULATE``,
 ``PPSYNC_DUMP_DIR``: ppsync.compat.vllm.settings) are read and checked here,
 first: a bad value is a ConfigError in every process at load, before
@@ -132,7 +132,7 @@ def _agree(group: dist.ProcessGroup, interface: str | None) -> Peers:
 def _settings_kwargs() -> dict[str, Any]:
     """The handler's keywords from the operator's variables (read once)."""
     s = plugin_settings()
-    return {"codec": s.codec, "carrier": s.carrier, "host_kernels": s.host_kernels,
+    return {"codec": s.codec, "carrier": s.carrier, "cpu_kernels": s.cpu_kernels,
             "device_kernels": s.device_kernels, "timeout_s": s.timeout_s,
             "silent_s": s.silent_s, "emulate": s.emulate}
 

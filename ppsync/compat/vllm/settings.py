@@ -15,7 +15,7 @@ path they describe.
   accelerator, the host codec on CPU; with ``PPSYNC_EMULATE``: device);
 - ``PPSYNC_CARRIER``: ``host`` | ``device``: how device frames travel
   (SyncConfig.carrier; unset: host, through pinned memory over gloo);
-- ``PPSYNC_HOST_KERNELS``: ``auto`` | ``numba`` | ``numpy`` (SyncConfig.host_kernels);
+- ``PPSYNC_CPU_KERNELS``: ``auto`` | ``numba`` | ``numpy`` (SyncConfig.cpu_kernels);
 - ``PPSYNC_DEVICE_KERNELS``: ``auto`` | ``triton`` | ``torch`` (SyncConfig.device_kernels);
 - ``PPSYNC_TIMEOUT_S``, ``PPSYNC_SILENT_S``: the bound on one wait for a live
   peer, and how long a peer's heartbeat may stop before it is named silent
@@ -44,7 +44,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -63,47 +63,59 @@ from ppsync.core.wire.completion import emulate as emulate_group
 from ppsync.core.wire.groups import strided_groups, token_group_among
 from ppsync.core.wire.platform import platform_for
 from ppsync.errors import ConfigError
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S, SyncConfig
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+    SyncConfig,
+)
 from ppsync.schemas.dump import DUMP_DIR_ENV
 
-__all__ = ["ENV_CARRIER", "ENV_CODEC", "ENV_DEVICE_KERNELS", "ENV_EMULATE", "ENV_HOST_KERNELS",
-           "ENV_ON_ERROR", "ENV_SILENT", "ENV_TIMEOUT",
+__all__ = ["ENV_CARRIER", "ENV_CODEC", "ENV_CPU_KERNELS", "ENV_DEVICE_KERNELS", "ENV_EMULATE",
+           "ENV_ON_ERROR", "ENV_SILENT", "ENV_TIMEOUT", "RENAMED_ENV",
            "SETTINGS_ENV", "PluginSettings", "accelerator_here", "check_twin", "handler_path",
            "plugin_settings", "settings_from_env"]
 
 ENV_CODEC = "PPSYNC_CODEC"
-ENV_HOST_KERNELS = "PPSYNC_HOST_KERNELS"
+ENV_CPU_KERNELS = "PPSYNC_CPU_KERNELS"
 ENV_DEVICE_KERNELS = "PPSYNC_DEVICE_KERNELS"
 ENV_CARRIER = "PPSYNC_CARRIER"
 ENV_EMULATE = "PPSYNC_EMULATE"
 ENV_ON_ERROR = "PPSYNC_VLLM_ON_ERROR"
-SETTINGS_ENV = (ENV_CODEC, ENV_CARRIER, ENV_HOST_KERNELS, ENV_DEVICE_KERNELS, *BOUND_VARS,
-                ENV_EMULATE, DUMP_DIR_ENV, ENV_ON_ERROR)
+RENAMED_ENV = {"PPSYNC_HOST_KERNELS": ENV_CPU_KERNELS}
+"""Old names of variables, each refused naming its new one: no alias, as no
+release has shipped under the old name."""
+SETTINGS_ENV = (ENV_CODEC, ENV_CARRIER, ENV_CPU_KERNELS, ENV_DEVICE_KERNELS, *BOUND_VARS,
+                ENV_EMULATE, DUMP_DIR_ENV, ENV_ON_ERROR, *RENAMED_ENV)
 """Every variable this module reads."""
 
-CODECS = ("host", "device")
-HOST_KERNELS = ("auto", "numba", "numpy")
-DEVICE_KERNELS = ("auto", "triton", "torch")
+CODECS: tuple[str, ...] = get_args(CodecName)
+CPU_KERNELS: tuple[str, ...] = get_args(CpuKernelsName)
+DEVICE_KERNELS: tuple[str, ...] = get_args(DeviceKernelsName)
 
 
 @dataclass(frozen=True)
 class PluginSettings:
     """The handler's settings, as the operator's variables give them."""
 
-    codec: Literal["host", "device"] | None = None  # None: by the device (default_codec)
-    carrier: Literal["host", "device"] = "host"  # how device frames travel
-    host_kernels: Literal["auto", "numba", "numpy"] = "auto"
-    device_kernels: Literal["auto", "triton", "torch"] = "auto"
+    codec: CodecName | None = None  # None: by the device (default_codec)
+    carrier: CarrierName = "host"  # how device frames travel
+    cpu_kernels: CpuKernelsName = "auto"
+    device_kernels: DeviceKernelsName = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     silent_s: float = DEFAULT_SILENT_S
-    emulate: Literal["nccl", "xccl"] | None = None  # the CPU twin of that backend
+    emulate: EmulatedName | None = None  # the CPU twin of that backend
     dump_dir: Path | None = None
     on_error: Literal["exit", "raise"] = "exit"  # a worker other than the last PP rank's
 
     def describe(self) -> str:
         """One line for the log: what the plugin's handlers are built with."""
-        return (f"codec {self.codec or 'by device'}, carrier {self.carrier}, host kernels "
-                f"{self.host_kernels}, device "
+        return (f"codec {self.codec or 'by device'}, carrier {self.carrier}, CPU kernels "
+                f"{self.cpu_kernels}, device "
                 f"kernels {self.device_kernels}, timeout {self.timeout_s:g} s, silent after "
                 f"{self.silent_s:g} s, semantics "
                 f"{'twin of ' + self.emulate if self.emulate else 'the backend'}s, dumps "
@@ -136,9 +148,12 @@ def settings_from_env(env: Mapping[str, str] | None = None,
     value and the rule. ``accelerator``: which accelerator this process sees
     (PPSYNC_EMULATE is refused where there is one)."""
     env = os.environ if env is None else env
+    for old, new in RENAMED_ENV.items():
+        if env.get(old, "").strip():
+            raise ConfigError(f"{old} is now {new}")
     codec = _one_of(env, ENV_CODEC, CODECS)
     carrier = _one_of(env, ENV_CARRIER, tuple(c.name for c in CARRIERS)) or "host"
-    host_kernels = _one_of(env, ENV_HOST_KERNELS, HOST_KERNELS) or "auto"
+    cpu_kernels = _one_of(env, ENV_CPU_KERNELS, CPU_KERNELS) or "auto"
     device_kernels = _one_of(env, ENV_DEVICE_KERNELS, DEVICE_KERNELS) or "auto"
     bounds = bounds_from_env(env)
     emulate = _one_of(env, ENV_EMULATE, EMULATED)
@@ -153,19 +168,19 @@ def settings_from_env(env: Mapping[str, str] | None = None,
                               f"CPU only: this process sees a {seen} device (there the real "
                               "backend runs): unset it")
         codec = "device"
-    _kernels_load(host_kernels, device_kernels, codec, accelerator)
+    _kernels_load(cpu_kernels, device_kernels, codec, accelerator)
     on_error = _one_of(env, ENV_ON_ERROR, ("exit", "raise")) or "exit"
     dump = env.get(DUMP_DIR_ENV, "").strip()
     dump_dir = Path(dump) if dump else None
     if dump_dir is not None:
         check_dump_dir(dump_dir, DUMP_DIR_ENV)
     return PluginSettings(
-        codec=cast(Literal["host", "device"] | None, codec),
-        carrier=cast(Literal["host", "device"], carrier),
-        host_kernels=cast(Literal["auto", "numba", "numpy"], host_kernels),
-        device_kernels=cast(Literal["auto", "triton", "torch"], device_kernels),
+        codec=cast(CodecName | None, codec),
+        carrier=cast(CarrierName, carrier),
+        cpu_kernels=cast(CpuKernelsName, cpu_kernels),
+        device_kernels=cast(DeviceKernelsName, device_kernels),
         timeout_s=bounds.timeout_s, silent_s=bounds.silent_s,
-        emulate=cast(Literal["nccl", "xccl"] | None, emulate),
+        emulate=cast(EmulatedName | None, emulate),
         dump_dir=dump_dir, on_error=cast(Literal["exit", "raise"], on_error))
 
 
@@ -174,10 +189,10 @@ def _kernels_load(host: str, device: str, codec: str | None,
     """A kernel set named outright must load here (as the CLI checks its
     flags): ConfigError naming the variable, not a failure in the first
     handler."""
-    config = SyncConfig(pp_size=1, max_num_reqs=1, host_kernels=host,  # type: ignore[arg-type]
+    config = SyncConfig(pp_size=1, max_num_reqs=1, cpu_kernels=host,  # type: ignore[arg-type]
                         device_kernels=device)  # type: ignore[arg-type]
     checks: list[tuple[str, str, Callable[[], str]]] = [
-        (ENV_HOST_KERNELS, host, lambda: resolve_cpu_kernels(config))]
+        (ENV_CPU_KERNELS, host, lambda: resolve_cpu_kernels(config))]
     if codec != "host":
         seen = torch.device(accelerator() or "cpu")
         checks.append((ENV_DEVICE_KERNELS, device,

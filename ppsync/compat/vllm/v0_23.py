@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ppsync.compat.vllm.checks import NOT_GIVEN, other_interface
+from ppsync.compat.vllm.arg_checks import NOT_GIVEN, other_interface
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
 from ppsync.compat.vllm.need_rules import any_row_cap_view
 from ppsync.errors import ProtocolError

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ppsync.compat.vllm.checks import NOT_GIVEN, check_held_batch, other_interface
+from ppsync.compat.vllm.arg_checks import NOT_GIVEN, check_held_batch, other_interface
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
 
 

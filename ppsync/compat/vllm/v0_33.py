@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ppsync.compat.vllm.checks import NOT_GIVEN, check_recv_drafts, other_interface, step_width
+from ppsync.compat.vllm.arg_checks import NOT_GIVEN, check_recv_drafts, other_interface, step_width
 from ppsync.compat.vllm.handler import PPHandler, SampledOutputs
 from ppsync.core.rules.checks import check_width_fits
 from ppsync.errors import BatchError

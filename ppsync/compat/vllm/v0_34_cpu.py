@@ -19,7 +19,15 @@ import torch.distributed as dist
 from ppsync.compat.vllm.need_rules import final_prefill_cap_view
 from ppsync.compat.vllm.v0_23 import PPHandler023
 from ppsync.core.wire.board import FailureBoard
-from ppsync.schemas.config import DEFAULT_SILENT_S, DEFAULT_TIMEOUT_S
+from ppsync.schemas.config import (
+    DEFAULT_SILENT_S,
+    DEFAULT_TIMEOUT_S,
+    CarrierName,
+    CodecName,
+    CpuKernelsName,
+    DeviceKernelsName,
+    EmulatedName,
+)
 
 
 class PPHandler034Cpu(PPHandler023):
@@ -41,15 +49,15 @@ class PPHandler034Cpu(PPHandler023):
         silent_s: float = DEFAULT_SILENT_S,
         interface: str | None = None,
         board: FailureBoard | Literal["group"] | None = "group",
-        codec: Literal["host", "device"] | None = None,
-        carrier: Literal["host", "device"] = "host",
-        host_kernels: Literal["auto", "numba", "numpy"] = "auto",
-        device_kernels: Literal["auto", "triton", "torch"] = "auto",
+        codec: CodecName | None = None,
+        carrier: CarrierName = "host",
+        cpu_kernels: CpuKernelsName = "auto",
+        device_kernels: DeviceKernelsName = "auto",
         pp_groups: Sequence[Sequence[int]] | None = None,
-        emulate: Literal["nccl", "xccl"] | None = None,
+        emulate: EmulatedName | None = None,
     ) -> None:
         super().__init__(max_num_reqs, 0, device, group=group, ring_depth=ring_depth,
                          timeout_s=timeout_s, silent_s=silent_s, interface=interface,
                          board=board, codec=codec, carrier=carrier,
-                         host_kernels=host_kernels, device_kernels=device_kernels,
+                         cpu_kernels=cpu_kernels, device_kernels=device_kernels,
                          pp_groups=pp_groups, emulate=emulate)

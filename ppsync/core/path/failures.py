@@ -97,7 +97,7 @@ class PathFailures:
     def abort(self, cause: PPSyncError) -> None:
         """Stream-ordered: fail every work of the group with ``cause`` and
         end the backend's pending transfers (returns at once; see
-        ppsync.core.wire.completion.base). gloo ends its works at the group's
+        ppsync.core.wire.completion.semantics). gloo ends its works at the group's
         timeout: nothing to abort, and a later failure is its own. Either
         way the group is marked: no new token path is built on it."""
         mark_aborted(self.group, cause)

@@ -7,7 +7,7 @@ knows no step protocol: :class:`~ppsync.core.path.token_path.TokenPath` adds the
 need mask, the generations and the roles' calls on top.
 
 Everything that depends on the codec is in the codec object
-(ppsync.core.codec.base), chosen once: no branch here or in TokenPath asks
+(ppsync.core.codec.protocol), chosen once: no branch here or in TokenPath asks
 which codec it has.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec import StepCodec, codec_for
-from ppsync.core.codec.records import PendingStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.path.failures import PathFailures
 from ppsync.core.path.handshake import Handshake
 from ppsync.core.path.names import TOKEN_PATH_NAMES, CallNames, role_error
@@ -31,7 +31,7 @@ from ppsync.core.recorder.registry import dump_file, register
 from ppsync.core.recorder.snapshot import write_dump
 from ppsync.core.wire.board import FailureBoard
 from ppsync.core.wire.completion import Completion, completion_for
-from ppsync.core.wire.completion.base import aborted_error
+from ppsync.core.wire.completion.semantics import aborted_error
 from ppsync.core.wire.groups import group_facts
 from ppsync.core.wire.platform import Platform, platform_for
 from ppsync.core.wire.rank_watch import RankWatcher
@@ -145,7 +145,7 @@ class GroupEnd:
             self.codec: StepCodec = codec_for(
                 config, self.platform, completion=self.completion, backend=backend,
                 rank=self.rank, src=self.src)
-            """Packs, checks and releases this path's frames (ppsync.core.codec.base)."""
+            """Packs, checks and releases this path's frames (ppsync.core.codec.protocol)."""
             self.codec.on_deferred(self.watcher.poke)
             self._serving = True
             self.watcher.starting("configuration handshake")
@@ -155,8 +155,8 @@ class GroupEnd:
                 self.watcher.first_beat.wait(self.board.op_timeout_s)
             self.handshake = Handshake(
                 config, group, rank=self.rank, completion=self.completion,
-                device=self.platform.device if self.completion.device_only else None,
-                device_kernels=self.codec.device_kernels_name)
+                codec=self.codec,
+                device=self.platform.device if self.completion.device_only else None)
             """Issued at once; finished here, or by the caller (``wait_handshake``
             False: an event loop awaits :meth:`handshake_work` under
             :meth:`handshake_slices`, then calls finish_handshake)."""

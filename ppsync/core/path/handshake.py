@@ -14,7 +14,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
-from ppsync.core.codec import frames_on_device
+from ppsync.core.codec import StepCodec
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION
 from ppsync.core.wire.board import FailureBoard
 from ppsync.core.wire.completion import Completion
@@ -35,13 +35,14 @@ whose frames are host frames either way); codes are never reused."""
 _CARRIER_NAMES = {code: name for name, code in CARRIER_CODES.items()}
 
 
-def config_words(config: SyncConfig, device_kernels: str = "none") -> list[int]:
-    """What every rank must agree on, as integers (see ``_FIELDS``);
-    ``device_kernels``: the kernel set this rank's device codec chose."""
+def config_words(config: SyncConfig, *, on_device: bool, device_kernels: str) -> list[int]:
+    """What every rank must agree on, as integers (see ``_FIELDS``), with
+    where this rank's codec keeps frames (``on_device``, its answer: not
+    asked of the config again) and which device kernel set it chose."""
     return [FRAME_FORMAT_VERSION, config.pp_size, config.max_num_reqs,
             config.num_speculative_steps, config.depth, int(config.wire == "exact"),
-            int(frames_on_device(config.codec)), KERNEL_SET_CODES[device_kernels],
-            CARRIER_CODES[config.carrier] if frames_on_device(config.codec) else 0]
+            int(on_device), KERNEL_SET_CODES[device_kernels],
+            CARRIER_CODES[config.carrier] if on_device else 0]
 
 
 class Handshake:
@@ -52,20 +53,22 @@ class Handshake:
     :meth:`finish`, so the wait for slow peers never blocks the loop."""
 
     def __init__(self, config: SyncConfig, group: dist.ProcessGroup, *, rank: int,
-                 completion: Completion, device: torch.device | None = None,
-                 device_kernels: str = "none") -> None:
+                 completion: Completion, codec: StepCodec,
+                 device: torch.device | None = None) -> None:
         """``completion``: the group's semantics (the current stream is
         ordered after the gathered words before they are read);
         ``device``: where the words go (an NCCL / XCCL group takes device
         tensors only; start-up, so reading them back is no hot-path sync);
-        ``device_kernels``: the device codec's kernel set ("none": host codec).
+        ``codec``: the codec this rank built (where its frames live, its
+        device kernel set: "none" for the host codec).
         The rank marks its arrival on the failure board before it builds its
         codec (ppsync.core.path.group_end), so that :func:`never_arrived`
         names only the ranks that never started."""
         self.config = config
         self.completion = completion
         self.rank = rank
-        self.words = config_words(config, device_kernels)
+        self.words = config_words(config, on_device=codec.on_device,
+                                  device_kernels=codec.device_kernels_name)
         nonce = secrets.randbits(62)
         mine = torch.tensor([*self.words, nonce], dtype=torch.int64, device=device)
         self._gathered = [torch.empty_like(mine) for _ in range(config.pp_size)]

@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec import StepDrafts
-from ppsync.core.codec.records import PendingStep, PreparedStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.path.generations import GenerationTable
 from ppsync.core.path.group_end import GroupEnd

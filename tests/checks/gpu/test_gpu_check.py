@@ -21,7 +21,7 @@ import torch
 from ppsync.checks.gpu import check as gpu_check
 from ppsync.checks.gpu import stream_checks
 from ppsync.checks.gpu import workload_checks as workload
-from ppsync.checks.gpu.steps import (
+from ppsync.checks.gpu.step_costs import (
     format_timing,
     scheme_name,
     sync_guard_live,

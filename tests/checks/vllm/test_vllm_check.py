@@ -36,6 +36,8 @@ from ppsync.checks.vllm.report import (
 )
 from ppsync.cli import main
 from ppsync.cli.parser import _parser
+from ppsync.compat.vllm.calls import HANDLER_CALLS
+from ppsync.compat.vllm.handler import PPHandler
 
 VLLM_HANDLER = "vllm.v1.worker.gpu.pp_utils.PPHandler"
 OURS = "ppsync.compat.vllm.plugin.VllmPPHandler032"
@@ -154,6 +156,21 @@ def test_read_worker_records(tmp_path: Path) -> None:
     assert (w.pid, w.pp_rank, w.handler, w.ppsync, w.broadcast_s, w.receive_s) == (
         7, 1, OURS, True, (0.5,), (0.25, 0.75))
     assert (w.receive_all_rows, w.prev_s, w.receive_rows) == (1, (0.125,), (3,))
+
+
+def test_each_handler_call_the_hooks_time_reaches_the_worker_record(tmp_path: Path) -> None:
+    # the hooks time every call of HANDLER_CALLS; a call added there must not
+    # be timed and then dropped by the report
+    head = {"event": "handler", "pid": 7, "pp_rank": 0, "pp_size": 2, "runner": "R",
+            "handler": OURS, "ppsync": True}
+    durations = {call: 2.0 ** -i for i, call in enumerate(HANDLER_CALLS)}
+    (tmp_path / "worker-7.jsonl").write_text("\n".join(
+        json.dumps(e) for e in [head, *({"event": c, "s": s} for c, s in durations.items())]))
+    (w,) = read_worker_records(tmp_path)
+    timed = [s for f in dataclasses.fields(w) if f.name.endswith("_s")
+             for s in getattr(w, f.name)]
+    assert sorted(timed) == sorted(durations.values())
+    assert all(callable(getattr(PPHandler, call)) for call in HANDLER_CALLS)
 
 
 def test_prompts_and_config_follow_options() -> None:

@@ -38,7 +38,7 @@ from ppsync.cli import main
 from ppsync.compat.env import Bounds, bounds_from_env
 
 OURS = "ppsync.compat.vllm.plugin.VllmPPHandler032"
-TWIN = {"codec": "device", "host_kernels": "numpy", "device_kernels": "torch",
+TWIN = {"codec": "device", "cpu_kernels": "numpy", "device_kernels": "torch",
         "completion": "stream-ordered (twin of nccl)"}
 
 

@@ -1,18 +1,21 @@
-"""ppsync.core.codec.base: the one choice of a codec, and the rules both
+"""ppsync.core.codec.protocol: the one choice of a codec, and the rules both
 codecs share, checked through each (the device codec on CPU tensors)."""
 
 from __future__ import annotations
+
+from typing import get_args
 
 import numpy as np
 import pytest
 import torch
 
-from ppsync.core.codec import DeviceCodec, HostCodec, StepCodec, codec_for
+from ppsync.cli.parser import parse
+from ppsync.core.codec import DeviceCodec, HostCodec, StepCodec, codec_for, default_codec
 from ppsync.core.rules import BatchView, batch_facts
 from ppsync.core.wire.completion import HostCompleted, StreamOrdered
 from ppsync.core.wire.platform import platform_for
 from ppsync.errors import BatchError, ConfigError
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import CodecName, SyncConfig, frames_on_device
 
 K = 2
 CPU = torch.device("cpu")
@@ -86,3 +89,23 @@ def test_both_codecs_apply_one_width_rule(width: int, sample_width: int | None,
             codec.prepare(view, batch_facts(view, 8), torch.zeros((n, width), dtype=torch.int64),
                           torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
                           None, sample_width)
+
+
+def test_the_codec_default_is_decided_in_one_place() -> None:
+    # SyncConfig's default, the command's flags and an engine that names no
+    # codec (default_codec) agree: the CPU gets SyncConfig's codec
+    config = SyncConfig(pp_size=2, max_num_reqs=1)
+    assert default_codec(torch.device("cpu")) == config.codec == "host"
+    assert default_codec(torch.device("cpu"), emulated=True) == "device"
+    assert default_codec(torch.device("meta")) == "device"  # any accelerator's
+    for argv in (["launch", "--pp-size", "2"], ["run"]):
+        args = parse(argv)
+        for field in ("codec", "carrier", "cpu_kernels", "device_kernels", "wire"):
+            assert getattr(args, field) == getattr(config, field), (argv[0], field)
+
+
+def test_each_codec_object_says_where_its_frames_live_as_the_one_rule_does() -> None:
+    # frames_on_device decides it before a codec exists (the group's backend,
+    # the command's flags); the codec codec_for builds must agree
+    for name in get_args(CodecName):
+        assert _codec(name).on_device is frames_on_device(name), name

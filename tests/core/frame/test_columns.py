@@ -1,7 +1,7 @@
 """The row's columns have one source (ppsync.core.frame.layout.ROW_COLUMNS):
 a column declared there moves every kernel set with it. A 1-wide spare
 column inserted before the tokens, the drafts or the facts shifts every
-later offset and W; the host kernels (numpy, numba) and the device kernels
+later offset and W; the CPU kernels (numpy, numba) and the device kernels
 (torch ops, Triton in its interpreter) then pack the host numpy frame word
 for word, every field at its Columns offset and the spare column 0, and
 release the step's tokens, counts, idx and drafts as they were sent.
@@ -23,7 +23,7 @@ from test_device_frames import pack as device_pack
 from test_device_frames import release as device_release
 
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
-from ppsync.core.codec.records import PendingStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame import FrameView, slot_need_words
 from ppsync.core.frame import layout as layout_module
 from ppsync.core.frame.device_frames import DeviceFrames
@@ -130,7 +130,7 @@ def test_a_declared_column_shifts_every_later_offset(spare_before: str,
 
 
 @pytest.mark.parametrize("kernels", HOST_SETS)
-def test_host_kernels_follow_the_declared_columns(spare_before: str, kernels: str) -> None:
+def test_cpu_kernels_follow_the_declared_columns(spare_before: str, kernels: str) -> None:
     frames = NumpyFrames(_config())
     if kernels == "numba":
         from ppsync.core.codec.cpu_kernels.numba_set import NumbaKernels

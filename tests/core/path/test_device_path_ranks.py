@@ -21,7 +21,7 @@ from ppsync.core.wire.platform import Platform, StepEvent
 from ppsync.errors import BatchError, DesyncError
 from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.harness.run import format_table, run_local
+from ppsync.harness.local_run import format_table, run_local
 from ppsync.schemas.config import SyncConfig
 
 TIMEOUT_S = 20.0

@@ -21,7 +21,7 @@ def test_every_device_kernel_set_has_its_own_code() -> None:
 def test_the_kernel_set_word_is_its_code_and_reads_back_by_name() -> None:
     config = SyncConfig.build(pp_size=2, max_num_reqs=4, codec="device")
     for name, code in KERNEL_SET_CODES.items():
-        assert config_words(config, name)[-2] == code
+        assert config_words(config, on_device=True, device_kernels=name)[-2] == code
         assert _word("device_kernels", code) == name
     assert _word("device_kernels", 99) == "99"
 
@@ -32,8 +32,8 @@ def test_the_carrier_word_names_the_device_codecs_carrier() -> None:
     assert len(set(CARRIER_CODES.values()) | {0}) == len(CARRIER_CODES) + 1
     for name, code in CARRIER_CODES.items():
         config = SyncConfig.build(pp_size=2, max_num_reqs=4, codec="device", carrier=name)
-        assert config_words(config)[-1] == code
+        assert config_words(config, on_device=True, device_kernels="torch")[-1] == code
         assert _word("carrier", code) == name
     # the host codec's frames are host frames whatever the carrier says
     host = SyncConfig.build(pp_size=2, max_num_reqs=4, codec="host", carrier="device")
-    assert config_words(host)[-1] == 0
+    assert config_words(host, on_device=False, device_kernels="none")[-1] == 0

@@ -28,7 +28,7 @@ from ppsync.core.wire.groups import token_group
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 LAG_S = 0.02
 STEPS = 200

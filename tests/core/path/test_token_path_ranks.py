@@ -23,9 +23,9 @@ from ppsync.core.wire.groups import token_group
 from ppsync.errors import DesyncError
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
-from ppsync.harness.workload import Workload, WorkloadConfig
+from ppsync.harness.synthetic_workload import Workload, WorkloadConfig
 from ppsync.schemas.config import SyncConfig, WireMode
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 TIMEOUT_S = 20.0
 STEPS = 300

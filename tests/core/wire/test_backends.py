@@ -21,7 +21,7 @@ from ppsync.core.wire.backends import (
     twin_names,
 )
 from ppsync.core.wire.completion import EMULATED
-from ppsync.core.wire.completion.base import HostCompleted, StreamOrdered
+from ppsync.core.wire.completion.semantics import HostCompleted, StreamOrdered
 from ppsync.core.wire.platform import _BY_NAME, PLATFORMS
 from ppsync.errors import ConfigError
 from ppsync.schemas.config import CarrierName, EmulatedName

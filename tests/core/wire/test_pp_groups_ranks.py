@@ -11,7 +11,7 @@ from ppsync.core.wire.groups import pipeline_groups, token_groups
 from ppsync.harness.driver import run_sync_rank, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
-from ppsync.schemas.report import RankReport
+from ppsync.schemas.run_report import RankReport
 
 WORLD, PP = 4, 2
 

@@ -1,5 +1,5 @@
 """The host codec's per-step work, as one of two kernel sets chosen once
-(``SyncConfig.host_kernels``): the numpy reference
+(``SyncConfig.cpu_kernels``): the numpy reference
 (ppsync.core.codec.cpu_kernels.numpy_set) or numba's compiled kernels
 (ppsync.core.codec.cpu_kernels.numba_set, the optional extra ``ppsync[jit]``).
 
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ppsync.core.codec.cpu_kernels.numpy_set import NumpyKernels
-from ppsync.core.codec.records import PendingStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView
@@ -70,22 +70,22 @@ def numba_error() -> str | None:
 
 
 def resolve_cpu_kernels(config: SyncConfig) -> Literal["numba", "numpy"]:
-    """The kernel set ``config.host_kernels`` names here: "auto" is numba
+    """The kernel set ``config.cpu_kernels`` names here: "auto" is numba
     where it imports, else numpy; "numba" where it does not: a ConfigError."""
-    choice = config.host_kernels
+    choice = config.cpu_kernels
     if choice == "numpy":
         return "numpy"
     why = numba_error()
     if why is None:
         return "numba"
     if choice == "numba":
-        raise ConfigError(f"host_kernels = 'numba' but numba cannot be loaded ({why}); "
+        raise ConfigError(f"cpu_kernels = 'numba' but numba cannot be loaded ({why}); "
                           "install the extra ppsync[jit], or use 'auto' or 'numpy'")
     return "numpy"
 
 
 def cpu_kernels_for(config: SyncConfig, frames: NumpyFrames) -> CpuKernels:
-    """The host kernels ``config`` names, for ``frames`` (compiled or loaded
+    """The CPU kernels ``config`` names, for ``frames`` (compiled or loaded
     from numba's cache here, never inside a step)."""
     if resolve_cpu_kernels(config) == "numba":
         from ppsync.core.codec.cpu_kernels.numba_set import NumbaKernels

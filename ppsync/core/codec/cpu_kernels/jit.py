@@ -1,5 +1,5 @@
 """The numba kernels of the host codec's per-step work (imported only when
-``host_kernels`` resolves to numba; ppsync.core.codec.cpu_kernels.numba_set calls
+``cpu_kernels`` resolves to numba; ppsync.core.codec.cpu_kernels.numba_set calls
 them).
 
 Each kernel does in one compiled call what the numpy reference does in many

@@ -1,4 +1,4 @@
-"""The numba host kernels: each role's per-step work in one compiled call
+"""The numba CPU kernels: each role's per-step work in one compiled call
 (ppsync.core.codec.cpu_kernels.jit), the numpy reference's results word for word.
 
 Python keeps what is cheap there (type and shape checks, the header's words
@@ -18,8 +18,8 @@ import torch
 
 from ppsync.core.codec.cpu_kernels import jit
 from ppsync.core.codec.cpu_kernels.numpy_set import NumpyKernels, scatter_rows
-from ppsync.core.codec.records import PendingStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION, MAGIC, FrameView, Header
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView

@@ -1,4 +1,4 @@
-"""The reference host kernels: the host codec's per-step work in numpy.
+"""The reference CPU kernels: the host codec's per-step work in numpy.
 
 Every rule and every error message of the host path lives in the functions
 these call (ppsync.core.rules, ppsync.core.rules.checks, the NumpyFrames); a faster
@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ppsync.core.codec.records import PendingStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames, drafts_desync
 from ppsync.core.rules import BatchView

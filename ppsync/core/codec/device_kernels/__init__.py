@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from ppsync.core.codec.device_kernels.base import (
+from ppsync.core.codec.device_kernels.contract import (
     TRITON_DEVICES,
     DeviceKernels,
     Outputs,

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from ppsync.core.codec.device_kernels.base import Outputs
+from ppsync.core.codec.device_kernels.contract import Outputs
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,
     V_FLAGGED,

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import triton
 
-from ppsync.core.codec.device_kernels.base import TRITON_DEVICES, Outputs, interpreting
+from ppsync.core.codec.device_kernels.contract import TRITON_DEVICES, Outputs, interpreting
 from ppsync.core.codec.device_kernels.triton_jit import check_release, pack_frame
 from ppsync.core.frame.device_frames import (
     V_DRAFTS,

@@ -1,6 +1,6 @@
 """A token group's completion semantics, chosen once per group: host-completed
 (gloo) or stream-ordered (NCCL, XCCL, and the CPU twin of them). See
-ppsync.core.wire.completion.base for what each means, and
+ppsync.core.wire.completion.semantics for what each means, and
 ppsync.core.wire.completion.twin for the twin.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ppsync.core.wire.backends import BACKENDS
-from ppsync.core.wire.completion.base import Completion, HostCompleted, StreamOrdered
+from ppsync.core.wire.completion.semantics import Completion, HostCompleted, StreamOrdered
 from ppsync.core.wire.completion.twin import (
     EMULATED,
     STATS,

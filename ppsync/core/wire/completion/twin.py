@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ppsync.core.wire.backends import CARRIERS
 from ppsync.core.wire.backends import backend as backend_facts
-from ppsync.core.wire.completion.base import HostCompleted, StreamOrdered
+from ppsync.core.wire.completion.semantics import HostCompleted, StreamOrdered
 from ppsync.core.wire.completion.twin_streams import (
     HANG_S,
     STATS,

@@ -1,4 +1,4 @@
-"""SyncConfig.host_kernels, chosen once: "auto" takes numba where it loads
+"""SyncConfig.cpu_kernels, chosen once: "auto" takes numba where it loads
 and the numpy reference where it does not; "numba" where it does not is a
 ConfigError naming the field, the value and the way out."""
 
@@ -17,7 +17,7 @@ from ppsync.schemas.config import SyncConfig
 
 def _codec(kernels: str) -> HostCodec:
     return HostCodec(SyncConfig.build(pp_size=2, max_num_reqs=4,
-                                      host_kernels=kernels))
+                                      cpu_kernels=kernels))
 
 
 def test_numpy_is_the_reference_everywhere() -> None:
@@ -52,7 +52,7 @@ def test_without_numba_auto_serves_numpy_and_numba_is_a_config_error(breaks: str
         from ppsync.core.codec.host import HostCodec
         from ppsync.errors import ConfigError
         from ppsync.schemas.config import SyncConfig
-        cfg = lambda k: SyncConfig.build(pp_size=2, max_num_reqs=4, host_kernels=k)
+        cfg = lambda k: SyncConfig.build(pp_size=2, max_num_reqs=4, cpu_kernels=k)
         print("auto:", HostCodec(cfg("auto")).kernels.name)
         try:
             HostCodec(cfg("numba"))
@@ -62,5 +62,5 @@ def test_without_numba_auto_serves_numpy_and_numba_is_a_config_error(breaks: str
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "auto: numpy" in out, out
-    assert "numba: host_kernels = 'numba' but numba cannot be loaded" in out, out
+    assert "numba: cpu_kernels = 'numba' but numba cannot be loaded" in out, out
     assert "ppsync[jit]" in out, out

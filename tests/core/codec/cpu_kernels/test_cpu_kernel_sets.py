@@ -1,4 +1,4 @@
-"""The host kernel sets as one contract, in one process: the numba kernels
+"""The CPU kernel sets as one contract, in one process: the numba kernels
 give the numpy reference's facts, frames (word for word), releases, draft
 tables and errors for the same inputs, valid or not; and they serve valid
 inputs themselves (no call handed to the reference)."""
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
-from ppsync.core.codec.records import PendingStep
+from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView

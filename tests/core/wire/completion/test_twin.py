@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.wire.completion import STATS, completion_for, emulate
-from ppsync.core.wire.completion.base import StreamOrdered
+from ppsync.core.wire.completion.semantics import StreamOrdered
 from ppsync.core.wire.completion.twin import POISON, TwinWork
 from ppsync.core.wire.completion.twin_streams import MAIN, TwinPlatform
 from ppsync.core.wire.groups import token_group

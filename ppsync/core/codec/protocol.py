@@ -13,15 +13,15 @@ num_sampled, num_rejected) are in ppsync.core.rules.checks, shared by both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ppsync.core.codec.cpu_kernels import CpuKernels
-from ppsync.core.codec.records import PendingStep, PreparedStep
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.rules import BatchView
@@ -30,7 +30,7 @@ from ppsync.core.wire.backends import carried_by
 from ppsync.core.wire.completion import Completion
 from ppsync.core.wire.platform import Platform
 from ppsync.errors import ConfigError
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import CodecName, SyncConfig, frames_on_device
 
 StepDrafts = np.ndarray | torch.Tensor
 """One step's drafts, [num_reqs, K]: a host array (host codec) or a tensor on
@@ -60,7 +60,7 @@ class StepCodec(Protocol):
     """The device kernels' set ("torch", "triton"; "none": the host codec):
     every rank of a group must have the same (the handshake compares it)."""
     kernels: CpuKernels
-    """The host kernels (config.host_kernels): a step's batch facts, and
+    """The CPU kernels (config.cpu_kernels): a step's batch facts, and
     the host codec's checks, packing and release."""
 
     def settle(self, all_: bool = False) -> None:
@@ -130,16 +130,16 @@ class StepCodec(Protocol):
         """The path closed: nothing is issued or released any more."""
 
 
-def frames_on_device(codec: str) -> bool:
-    """Whether frames of the codec named ``codec`` live on the engine's
-    device (the device codec) rather than on the host."""
-    return codec == "device"
-
-
-def default_codec(device: torch.device) -> Literal["host", "device"]:
-    """The codec an engine on ``device`` gets when it names none: an
-    accelerator's engine must not sync per step, so its frames stay there."""
-    return "host" if device.type == "cpu" else "device"
+def default_codec(device: torch.device, *, emulated: bool = False) -> CodecName:
+    """The codec an engine on ``device`` gets when it names none, decided
+    here only: on an accelerator the device codec (its engine must not sync
+    per step, so its frames stay there); under the CPU twin (``emulated``)
+    too, since the twin carries device frames as NCCL does; else
+    SyncConfig's default, the host codec."""
+    if emulated or device.type != "cpu":
+        return "device"
+    codec: CodecName = SyncConfig.model_fields["codec"].default
+    return codec
 
 
 def frames_home(codec: str, carrier: str, platform: Platform) -> tuple[str, Platform | None]:
@@ -154,11 +154,12 @@ def frames_home(codec: str, carrier: str, platform: Platform) -> tuple[str, Plat
 def check_frames(config: SyncConfig, completion: Completion, backend: str) -> None:
     """ConfigError unless a group of ``completion`` (``backend``) can carry
     ``config``'s frames."""
-    if completion.device_only and frames_on_device(config.codec) and config.carrier == "host":
+    on_device = frames_on_device(config.codec)
+    if completion.device_only and on_device and config.carrier == "host":
         raise ConfigError(f"carrier = 'host' sends frames over gloo from pinned host memory; "
                           f"the token group ({backend}, {completion.name}) takes device "
                           "tensors only: make the token group gloo, or use carrier = 'device'")
-    if completion.device_only and not frames_on_device(config.codec):
+    if completion.device_only and not on_device:
         raise ConfigError(f"codec = {config.codec!r} frames are host buffers; the token "
                           f"group ({backend}, {completion.name}) takes device tensors "
                           "only: use codec = 'device'")

@@ -4,14 +4,15 @@ parsing, in one line naming the flag (argparse adds ``argument --flag:``).
 A flag that sets a field of a pydantic model (SyncConfig, BenchOptions)
 takes its bounds from that field's own constraints (``Field(ge=..., le=...)``),
 read here: the model is the one place a bound is written. A non-number reads
-as argparse words it: ``invalid int value: 'two'``.
+as argparse words it: ``invalid int value: 'two'``. A flag's old spelling
+(:class:`Renamed`) is refused in one line naming the new one.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -54,3 +55,18 @@ def from_field(model: type[BaseModel], name: str, *, low: float | None = None,
 def at_least(low: int) -> Callable[[str], Any]:
     """An int >= ``low`` (a flag no model bounds)."""
     return bounded(int, low)
+
+
+class Renamed(argparse.Action):
+    """A flag's old spelling: no alias (no release has shipped under it), one
+    line naming the new one, exit 2."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str,
+                 **_: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, argparse.SUPPRESS, nargs="?",
+                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.exit(2, f"{parser.prog}: error: {option_string} is now {self.new}\n")

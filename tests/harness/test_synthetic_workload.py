@@ -10,7 +10,7 @@ import pytest
 
 from ppsync.core.rules import validate_batch
 from ppsync.core.rules.mask import need_sampled_mask
-from ppsync.harness.workload import (
+from ppsync.harness.synthetic_workload import (
     SALT_DRAFT,
     ScheduledStep,
     Workload,

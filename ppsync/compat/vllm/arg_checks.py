@@ -10,7 +10,7 @@ from typing import TypeVar, cast
 import numpy as np
 import torch
 
-from ppsync.core.codec.records import PreparedStep
+from ppsync.core.codec.steps import PreparedStep
 from ppsync.core.rules import batch_view_of, validate_batch
 from ppsync.errors import BatchError, ProtocolError
 

@@ -1,6 +1,6 @@
 """What the heartbeats cost, and how regular they are under load:
 
-    python -m ppsync.probes.heartbeat [--pp-size 3] [--seconds 20] [--load 2] [--step-ms 0]
+    python -m ppsync.probes.heartbeat_cost [--pp-size 3] [--seconds 20] [--load 2] [--step-ms 0]
 
 P local gloo ranks run the synthetic workload through the synchronous
 token path for ``--seconds``, with a failure board in the launcher's store
@@ -147,7 +147,7 @@ def _busy(stop: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ppsync.probes.heartbeat",
+    ap = argparse.ArgumentParser(prog="python -m ppsync.probes.heartbeat_cost",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp-size", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -187,6 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ppsync.probes import heartbeat
+    from ppsync.probes import heartbeat_cost
 
-    sys.exit(heartbeat.main())
+    sys.exit(heartbeat_cost.main())

@@ -12,9 +12,9 @@ from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import spawn_world
 from ppsync.harness.rank import RunOptions, run_rank
 from ppsync.harness.step_board import StepBoard
-from ppsync.schemas.config import SyncConfig
+from ppsync.schemas.config import SyncConfig, frames_on_device
 from ppsync.schemas.dump import DUMP_DIR_ENV
-from ppsync.schemas.report import RankReport, RunReport
+from ppsync.schemas.run_report import RankReport, RunReport
 
 __all__ = ["RunOptions", "format_table", "run_local"]
 
@@ -161,16 +161,17 @@ def verdict_line(report: RunReport) -> str:
         verdict = "OK: 0 lost / 0 stale / 0 duplicated / 0 corrupt"
     else:
         verdict = "FAULTS"
-    host = _kernels([r.host_kernels for r in report.ranks])
-    kernels = (f"host_kernels={host if host != '-' else c.host_kernels}" if c.codec == "host"
+    host = _kernels([r.cpu_kernels for r in report.ranks])
+    on_device = frames_on_device(c.codec)
+    kernels = (f"cpu_kernels={host if host != '-' else c.cpu_kernels}" if not on_device
                else f"device_kernels={_kernels([r.device_kernels for r in report.ranks])} "
-               f"host_kernels={host}")
+               f"cpu_kernels={host}")
     if report.ended is not None:  # the ranks could not say what they resolved
-        kernels = f"host_kernels={c.host_kernels}" + (
-            f" device_kernels={c.device_kernels}" if c.codec == "device" else "")
+        kernels = f"cpu_kernels={c.cpu_kernels}" + (
+            f" device_kernels={c.device_kernels}" if on_device else "")
     emulate = f" emulate={report.emulate}" if report.emulate else ""
     mode = report.framework or report.mode
-    carrier = f" carrier={c.carrier}" if c.codec == "device" else ""
+    carrier = f" carrier={c.carrier}" if on_device else ""
     return (f"world={world} pp_size={c.pp_size} K={c.num_speculative_steps} D={c.depth} "
             f"max_num_reqs={c.max_num_reqs} wire={c.wire} codec={c.codec}{carrier} {kernels}"
             f"{emulate} mode={mode} -> {verdict}")

@@ -71,8 +71,8 @@ class RankReport(BaseModel):
     pinned_reused_early: int | None = Field(default=None, ge=0)
     """The host carrier only: pinned buffers taken again before the copy that
     last used them ended. Must be 0."""
-    host_kernels: str | None = None
-    """The host kernel set this rank resolved ("numba", "numpy"; None: not known)."""
+    cpu_kernels: str | None = None
+    """The CPU kernel set this rank resolved ("numba", "numpy"; None: not known)."""
     device_kernels: str | None = None
     """The device kernel set this rank resolved ("triton", "torch"; None: the
     host codec, or not known)."""
