@@ -33,6 +33,7 @@ from torch._C._distributed_c10d import Store
 from ppsync.bench.common import world_group
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
+from ppsync.core.wire.groups import token_group
 from ppsync.harness.driver import StepLoop, outputs, workload_config
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
@@ -83,9 +84,11 @@ def _observe(store: Store, keys: list[str], stop: threading.Event,
 
 
 def _rank(pp_size: int, seconds: float, step_ms: float, env: RankEnv) -> dict[str, Any]:
-    group = world_group()
     out: dict[str, Any] = {}
     for with_board in (True, False):
+        # a group per run: the first run's path closes with its transfers in
+        # flight, and a group whose path did so is refused for a new one
+        group = token_group(world_group(), timeout_s=60.0)
         config = SyncConfig.build(pp_size=pp_size, max_num_reqs=64, num_speculative_steps=2,
                                   timeout_s=60.0)
         counting = _Counting(env.store)

@@ -192,17 +192,19 @@ class FailureBoard:
         self._ask(lambda: self.store.set(self._beat_key(self.me), text), None)
 
     def look(self, ranks: Sequence[int]) -> tuple[dict[int, str], bool] | None:
-        """(the beats of ``ranks`` that exist, whether any rank posted a
+        """(the beats of ``ranks`` that exist, whether another rank posted a
         failure), in one bounded call on the worker; None when the store
         does not answer. A key is read only once it exists (a read of a
-        missing key would wait for it)."""
+        missing key would wait for it). This rank's own notice is not
+        another's: its write runs on this worker before any later read, so
+        a rank that just posted never reads its own failure as a relayed one."""
         def read() -> tuple[dict[int, str], bool]:
             for r in ranks:
                 if r not in self._beating and self.store.check([self._beat_key(r)]):
                     self._beating.add(r)
             known = [r for r in ranks if r in self._beating]
             values = self.store.multi_get([self._beat_key(r) for r in known]) if known else []
-            failed = int(self.store.add(self._count, 0)) > 0
+            failed = int(self.store.add(self._count, 0)) > int(self._posted)
             return {r: bytes(v).decode() for r, v in zip(known, values, strict=True)}, failed
 
         return self._ask(read, None)
