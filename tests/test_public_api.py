@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-from collections.abc import Callable
 from pathlib import Path
 
 import ppsync
@@ -214,20 +213,3 @@ def test_the_vllm_adapter_never_asks_where_frames_live() -> None:
     asking = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
               for i, line in enumerate(p.read_text().splitlines(), 1) if "on_device" in line]
     assert asking == []
-
-
-def test_every_publish_takes_the_arguments_of_prepare() -> None:
-    """publish() is prepare() then send(): the token path's and the
-    services' each spell prepare's parameters out, and none drifts."""
-    import inspect
-
-    from ppsync.core import TokenPath
-    from ppsync.services import BroadcastService, Rank
-
-    def params(f: Callable[..., object]) -> list[tuple[str, object, object]]:
-        ps = list(inspect.signature(f).parameters.values())[1:]  # self
-        return [(p.name, p.kind, p.default) for p in ps]
-
-    want = params(TokenPath.prepare)
-    for publish in (TokenPath.publish, BroadcastService.publish, Rank.publish):
-        assert params(publish) == want, publish.__qualname__

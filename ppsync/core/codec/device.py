@@ -65,6 +65,7 @@ from ppsync.core.frame.device_frames import (
 )
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView, Header
 from ppsync.core.frame.numpy_frames import NumpyFrames, drafts_desync
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.checks import (
     check_draft_table_meta,
@@ -216,19 +217,18 @@ class DeviceCodec:
 
     # -- last rank --------------------------------------------------------
     def prepare(
-        self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
-        num_sampled: object, num_rejected: object, draft_tokens: object | None,
-        sample_width: int | None,
+        self, view: BatchView, facts: BatchFacts, sampled: SampledStep,
     ) -> tuple[PreparedStep, torch.Tensor | None]:
         """Dtypes, shapes and devices are checked here, before anything is
         issued; the values are checked on the device when the step is sent
         (a bad one raises at the next call)."""
-        outputs = check_sampled_meta(sampled_token_ids, num_sampled, num_rejected,
+        outputs = check_sampled_meta(sampled.tokens, sampled.num_sampled, sampled.num_rejected,
                                      num_reqs=view.num_reqs,
                                      sample_width=self.config.sample_width, device=self.device)
-        drafts = None if draft_tokens is None else self.check_drafts(draft_tokens, view.num_reqs)
-        check_width_fits(outputs[0].shape[1], sample_width)
-        step = PreparedStep(view, facts, None, None, None, sample_width, outputs)
+        drafts = None if sampled.drafts is None else self.check_drafts(sampled.drafts,
+                                                                       view.num_reqs)
+        check_width_fits(outputs[0].shape[1], sampled.sample_width)
+        step = PreparedStep(view, facts, None, None, None, sampled.sample_width, outputs)
         return step, drafts
 
     def check_drafts(self, drafts: object, num_reqs: int) -> torch.Tensor:

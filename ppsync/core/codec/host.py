@@ -21,6 +21,7 @@ from ppsync.core.codec.records import PendingStep, PreparedStep
 from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.checks import (
     check_draft_table,
@@ -51,15 +52,14 @@ class HostCodec:
     # -- last rank --------------------------------------------------------
 
     def prepare(
-        self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
-        num_sampled: object, num_rejected: object, draft_tokens: object | None,
-        sample_width: int | None,
+        self, view: BatchView, facts: BatchFacts, sampled: SampledStep,
     ) -> tuple[PreparedStep, np.ndarray | None]:
+        sample_width = sampled.sample_width
         tokens_np, ns_np, nr_np = self.kernels.sampled(
-            sampled_token_ids, num_sampled, num_rejected, num_reqs=view.num_reqs,
-            step_width=sample_width)
-        drafts_np = None if draft_tokens is None else check_step_drafts(
-            draft_tokens, num_reqs=view.num_reqs, num_drafts=self.frames.num_drafts)
+            sampled.tokens, sampled.num_sampled, sampled.num_rejected,
+            num_reqs=view.num_reqs, step_width=sample_width)
+        drafts_np = None if sampled.drafts is None else check_step_drafts(
+            sampled.drafts, num_reqs=view.num_reqs, num_drafts=self.frames.num_drafts)
         check_width_fits(tokens_np.shape[1], sample_width)
         return PreparedStep(view, facts, tokens_np, ns_np, nr_np, sample_width), drafts_np
 

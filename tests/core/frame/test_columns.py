@@ -1,4 +1,4 @@
-"""The row's columns have one source (ppsync.core.frame.layout.ROW_COLUMNS):
+"""The row's columns have one source (ppsync.core.frame.rows.ROW_COLUMNS):
 a column declared there moves every kernel set with it. A 1-wide spare
 column inserted before the tokens, the drafts or the facts shifts every
 later offset and W; the host kernels (numpy, numba) and the device kernels
@@ -25,7 +25,7 @@ from test_device_frames import release as device_release
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
 from ppsync.core.codec.records import PendingStep
 from ppsync.core.frame import FrameView, slot_need_words
-from ppsync.core.frame import layout as layout_module
+from ppsync.core.frame import rows as rows_module
 from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.core.frame.layout import Column, Columns, row_columns
 from ppsync.core.frame.numpy_frames import NumpyFrames
@@ -53,10 +53,10 @@ def spare_before(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
                  real_columns: Columns) -> str:
     """ROW_COLUMNS with a 1-wide "spare" column before the named one."""
     before: str = request.param
-    order = list(layout_module.ROW_COLUMNS)
+    order = list(rows_module.ROW_COLUMNS)
     at = [name for name, _ in order].index(before)
     order.insert(at, ("spare", 1))
-    monkeypatch.setattr(layout_module, "ROW_COLUMNS", tuple(order))
+    monkeypatch.setattr(rows_module, "ROW_COLUMNS", tuple(order))
     return before
 
 

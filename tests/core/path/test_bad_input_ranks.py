@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
@@ -88,7 +89,9 @@ def _publish(path: TokenPath, r: int, **bad: object) -> int:
         "draft_tokens": torch.from_numpy(_drafts_np(r)),
     }
     args.update(bad)
-    return path.publish(**args)  # type: ignore[arg-type]
+    sampled = SampledStep(args["sampled_token_ids"], args["num_sampled"],  # type: ignore[arg-type]
+                          args["num_rejected"], args["draft_tokens"])  # type: ignore[arg-type]
+    return path.publish(args["view"], sampled)  # type: ignore[arg-type]
 
 
 def _tok(rows: int, width: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
