@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -259,9 +260,9 @@ def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
             first = _bad_publish(step, bad)
         for args in (first, valid):
             try:
-                sampled = SampledStep(
-                    args["sampled_token_ids"], args["num_sampled"],  # type: ignore[arg-type]
-                    args["num_rejected"], step.drafts, step.width)  # type: ignore[arg-type]
+                a: dict[str, Any] = args  # a bad value among them, as given
+                sampled = SampledStep[torch.Tensor](a["sampled_token_ids"], a["num_sampled"],
+                                                    a["num_rejected"], step.drafts, step.width)
                 prepared, drafts = path.prepare(args["view"], sampled)  # type: ignore[arg-type]
                 path.send(prepared, drafts)
                 break

@@ -228,8 +228,8 @@ def _make(path: TokenPath, call: BadCall) -> None:
         elif arg == "step":
             step = bad.value  # type: ignore[assignment]
         else:  # a receiver cannot prepare; a well-formed step all the same
-            step = PreparedStep(BASE, batch_facts(BASE, MAX_NUM_REQS), tokens(BASE_R).numpy(),
-                                np.array(NUM_SAMPLED), np.array(NUM_REJECTED))
+            step = PreparedStep(BASE, batch_facts(BASE, MAX_NUM_REQS), SampledStep(
+                tokens(BASE_R).numpy(), np.array(NUM_SAMPLED), np.array(NUM_REJECTED)))
         drafts_np = bad.value if arg == "drafts_np" else drafts(BASE_R)
         path.send(step, drafts_np)  # type: ignore[arg-type]
     elif call.entry == "consume":

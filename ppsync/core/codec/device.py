@@ -216,9 +216,8 @@ class DeviceCodec:
                     self.carrier.give(u.wire, None)
 
     # -- last rank --------------------------------------------------------
-    def prepare(
-        self, view: BatchView, facts: BatchFacts, sampled: SampledStep,
-    ) -> tuple[PreparedStep, torch.Tensor | None]:
+    def prepare(self, view: BatchView, facts: BatchFacts, sampled: SampledStep
+                ) -> tuple[PreparedStep, torch.Tensor | None]:
         """Dtypes, shapes and devices are checked here, before anything is
         issued; the values are checked on the device when the step is sent
         (a bad one raises at the next call)."""
@@ -228,8 +227,7 @@ class DeviceCodec:
         drafts = None if sampled.drafts is None else self.check_drafts(sampled.drafts,
                                                                        view.num_reqs)
         check_width_fits(outputs[0].shape[1], sampled.sample_width)
-        step = PreparedStep(view, facts, None, None, None, sampled.sample_width, outputs)
-        return step, drafts
+        return PreparedStep(view, facts, SampledStep(*outputs, None, sampled.sample_width)), drafts
 
     def check_drafts(self, drafts: object, num_reqs: int) -> torch.Tensor:
         if isinstance(drafts, np.ndarray):
@@ -258,15 +256,17 @@ class DeviceCodec:
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
         """Pack and broadcast one step; returns (frame, work, host flags, 0):
         the checksum is on the device, and the host does not read it."""
-        if step.outputs is None:
+        r = step.rows
+        if not isinstance(r.tokens, torch.Tensor):
             raise BatchError("step was prepared for the host codec; this path uses the "
                              "device codec")
         assert not isinstance(drafts, np.ndarray)  # check_drafts returned a tensor
-        outputs = step.outputs
+        rows = r if drafts is None else SampledStep(r.tokens, r.num_sampled, r.num_rejected,
+                                                    drafts, r.sample_width)
         p, lay = self.platform, self.frames
         stage = self._host()
         flags = lay.flags(drafts is not None)
-        w = outputs[0].shape[1]
+        w = rows.tokens.shape[1]
         self.device_frames.stage(stage.np, frame, flags,
                                  value_bounds(w, lay.num_drafts, frame.width(lay)))
         # Own what is sent: the frame is packed on the stream that made the
@@ -276,8 +276,7 @@ class DeviceCodec:
         main = p.current_stream()
         buf = self.buffers.take(frame.num_reqs)
         self._stage_dev.copy_(stage.t, non_blocking=True)
-        self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, *outputs, drafts,
-                                 self._verdict_dev)
+        self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, rows, self._verdict_dev)
         stage.verdict.copy_(self._verdict_dev, non_blocking=True)
         # the verdict is ready once the current stream ran this far; it does
         # not wait for the transfer (whose end returns the buffer: reuse())

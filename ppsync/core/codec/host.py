@@ -54,14 +54,11 @@ class HostCodec:
     def prepare(
         self, view: BatchView, facts: BatchFacts, sampled: SampledStep,
     ) -> tuple[PreparedStep, np.ndarray | None]:
-        sample_width = sampled.sample_width
-        tokens_np, ns_np, nr_np = self.kernels.sampled(
-            sampled.tokens, sampled.num_sampled, sampled.num_rejected,
-            num_reqs=view.num_reqs, step_width=sample_width)
+        rows = self.kernels.sampled(sampled, num_reqs=view.num_reqs)
         drafts_np = None if sampled.drafts is None else check_step_drafts(
             sampled.drafts, num_reqs=view.num_reqs, num_drafts=self.frames.num_drafts)
-        check_width_fits(tokens_np.shape[1], sample_width)
-        return PreparedStep(view, facts, tokens_np, ns_np, nr_np, sample_width), drafts_np
+        check_width_fits(rows.tokens.shape[1], sampled.sample_width)
+        return PreparedStep(view, facts, rows), drafts_np
 
     def check_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
         check_drafts_array(drafts, num_reqs=num_reqs, num_drafts=self.frames.num_drafts)
@@ -82,14 +79,17 @@ class HostCodec:
 
     def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
-        if step.tokens_np is None or step.num_sampled_np is None or (
-                step.num_rejected_np is None):
+        r = step.rows
+        if not isinstance(r.tokens, np.ndarray):
             raise BatchError("step was prepared for the device codec; this path uses "
                              "the host codec")
         assert not isinstance(drafts, torch.Tensor)  # check_drafts returned a host array
+        rows = r
+        if drafts is not None:
+            rows = SampledStep(rows.tokens, rows.num_sampled, rows.num_rejected, drafts,
+                               rows.sample_width)
         buf = self.buffers.take(frame.num_reqs)
-        flags, checksum = self.kernels.pack(buf.numpy(), frame, step.tokens_np,
-                                            step.num_sampled_np, step.num_rejected_np, drafts)
+        flags, checksum = self.kernels.pack(buf.numpy(), frame, rows)
         return buf, issue(buf), flags, checksum
 
     # -- receivers --------------------------------------------------------

@@ -201,12 +201,7 @@ class FrameLayout:
         self.max_num_reqs = config.max_num_reqs  # R in the fixed wire mode
         self.sample_width = L = config.sample_width
         self.num_drafts = K = config.num_speculative_steps
-        self.columns = cols = row_columns(L, K)
-        self.col_num_sampled = cols.num_sampled.offset
-        self.col_num_rejected = cols.num_rejected.offset
-        self.col_drafts = cols.drafts.offset  # drafts[K] start here
-        self.col_slot_need = cols.slot_need.offset
-        self.col_computed = cols.num_computed.offset
+        self.columns = cols = row_columns(L, K)  # every column's offset: none restated here
         self.row_width = cols.row_width  # W
         self.exact = config.wire == "exact"
         self.staging = Staging(self.max_num_reqs)
@@ -240,7 +235,7 @@ class FrameLayout:
 
     def drafts(self, rows: np.ndarray) -> np.ndarray:
         """[num_reqs, K] view of the draft columns of ``rows``."""
-        return rows[:, self.col_drafts : self.columns.drafts.end]
+        return rows[:, self.columns.drafts.offset : self.columns.drafts.end]
 
     def clear_spare(self, buf_np: np.ndarray, num_reqs: int) -> None:
         """Zero the spare columns of a host frame's used rows (none in the

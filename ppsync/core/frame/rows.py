@@ -19,9 +19,11 @@ from the batch view, not from the sampler.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic
 
 import numpy as np
 import torch
+from typing_extensions import TypeVar
 
 ROW_COLUMNS: tuple[tuple[str, int | str], ...] = (
     ("tokens", "L"),  # the sampled tokens, -1 beyond the step's width w
@@ -42,18 +44,25 @@ SENT_COLUMNS = ("tokens", "num_sampled", "num_rejected", "drafts")
 others come from the batch view)."""
 
 
+Values = TypeVar("Values", torch.Tensor, np.ndarray, default=torch.Tensor)
+"""What a record's columns are: the engine's tensors (``SampledStep``, the
+default), or the host codec's checked arrays (``SampledStep[np.ndarray]``)."""
+
+
 @dataclass(slots=True)  # read-only by convention: frozen costs the hot path (docs/measured.md)
-class SampledStep:
+class SampledStep(Generic[Values]):
     """One step's sampled rows as the last rank hands them to ``publish``.
 
     The tensors are the engine's (on its device with the device codec): the
     token path reads them into its own frame before ``publish`` returns, so
-    the engine may overwrite them after."""
+    the engine may overwrite them after. Past the checks, the codecs and
+    their kernel sets carry the same record: the checked tensors (device
+    codec) or host arrays (host codec, ``SampledStep[np.ndarray]``)."""
 
-    tokens: torch.Tensor  # [num_reqs, w] int64, 1 <= w <= L (-1 padded past num_sampled)
-    num_sampled: torch.Tensor  # [num_reqs] int32
-    num_rejected: torch.Tensor  # [num_reqs] int32
-    drafts: torch.Tensor | None = None  # [num_reqs, K] int64; None: the frame goes without
+    tokens: Values  # [num_reqs, w] int64, 1 <= w <= L (-1 padded past num_sampled)
+    num_sampled: Values  # [num_reqs] int32
+    num_rejected: Values  # [num_reqs] int32
+    drafts: Values | None = None  # [num_reqs, K] int64; None: the frame goes without
     sample_width: int | None = None
     """The step's width w (1..L; ``tokens`` at most w wide) for engines that
     vary it per step; None = L."""

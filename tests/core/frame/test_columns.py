@@ -22,6 +22,7 @@ from test_device_frames import KERNEL_SETS, kernel_set
 from test_device_frames import pack as device_pack
 from test_device_frames import release as device_release
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
 from ppsync.core.codec.records import PendingStep
 from ppsync.core.frame import FrameView, slot_need_words
@@ -140,7 +141,7 @@ def test_host_kernels_follow_the_declared_columns(spare_before: str, kernels: st
     s = _step()
     view = _view(frames, s)
     buf = torch.full((frames.words(N),), 7, dtype=torch.int64)
-    ks.pack(buf.numpy(), view, s["tokens"], s["ns"], s["nr"], s["drafts"])
+    ks.pack(buf.numpy(), view, SampledStep(s["tokens"], s["ns"], s["nr"], s["drafts"]))
     table = torch.full((R, K), -5, dtype=torch.int64)
     head = PendingStep(view, s["need"], N, s["idx"].copy(), 0, buf.clone(), None,  # type: ignore[arg-type]
                        True)
@@ -173,3 +174,12 @@ def test_device_kernels_follow_the_declared_columns(spare_before: str, kernels: 
         "tokens": out.tokens.numpy(), "counts": out.counts.numpy(),
         "idx": out.idx_mapping.numpy(), "drafts": out.drafts.numpy()}, table.numpy())
 
+
+
+def test_the_sent_record_names_its_columns_as_declared() -> None:
+    """SampledStep's fields are the columns the sampler fills, in the order
+    and under the names ROW_COLUMNS gives them, then the step's width."""
+    declared = [name for name, _ in rows_module.ROW_COLUMNS]
+    sent = list(rows_module.SENT_COLUMNS)
+    assert [f.name for f in fields(SampledStep)] == [*sent, "sample_width"]
+    assert [name for name in declared if name in sent] == sent

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -89,8 +89,9 @@ def _publish(path: TokenPath, r: int, **bad: object) -> int:
         "draft_tokens": torch.from_numpy(_drafts_np(r)),
     }
     args.update(bad)
-    sampled = SampledStep(args["sampled_token_ids"], args["num_sampled"],  # type: ignore[arg-type]
-                          args["num_rejected"], args["draft_tokens"])  # type: ignore[arg-type]
+    a: dict[str, Any] = args  # bad values among them, as given
+    sampled = SampledStep[torch.Tensor](a["sampled_token_ids"], a["num_sampled"],
+                                        a["num_rejected"], a["draft_tokens"])
     return path.publish(args["view"], sampled)  # type: ignore[arg-type]
 
 
