@@ -23,7 +23,7 @@ from typing import Generic
 
 import numpy as np
 import torch
-from typing_extensions import TypeVar
+from typing_extensions import TypeVar  # PEP 696 defaults before 3.13; torch requires it
 
 ROW_COLUMNS: tuple[tuple[str, int | str], ...] = (
     ("tokens", "L"),  # the sampled tokens, -1 beyond the step's width w
