@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppsync import BatchView, FailureBoard, SyncConfig, open_rank, token_group
+from ppsync import BatchView, FailureBoard, SampledStep, SyncConfig, open_rank, token_group
 
 MAX_NUM_REQS = 8
 K = 1  # num_speculative_steps: drafts per request per step; L = K + 1
@@ -189,7 +189,8 @@ async def engine(config: SyncConfig, group: dist.ProcessGroup,
             if rank.is_last:
                 tokens, num_sampled, num_rejected, drafts = sample(step)
                 step.outputs = (tokens, num_sampled, num_rejected)
-                await rank.publish(step.view, tokens, num_sampled, num_rejected, drafts)
+                await rank.publish(step.view, SampledStep(
+                    tokens, num_sampled, num_rejected, drafts))
             else:
                 await rank.post(step.view)  # returns once the receive is posted
             in_flight.append(step)

@@ -28,6 +28,7 @@ if _typing.TYPE_CHECKING:  # the names for type checkers (``X as X``: re-exporte
     from ppsync.core import BatchView as BatchView
     from ppsync.core import FailureBoard as FailureBoard
     from ppsync.core import ReleasedStep as ReleasedStep
+    from ppsync.core import SampledStep as SampledStep
     from ppsync.core import TokenPath as TokenPath
     from ppsync.core import batch_view_of as batch_view_of
     from ppsync.core import need_sampled_mask as need_sampled_mask
@@ -61,9 +62,9 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "ppsync.errors": ("BatchError", "ConfigError", "DesyncError", "PPSyncError", "PeerLost",
                       "ProtocolError", "RankFailed", "RoleError", "Stopped", "SyncTimeout"),
     "ppsync.schemas": ("RankReport", "RunReport", "StepRecord", "SyncConfig"),
-    "ppsync.core": ("BatchView", "FailureBoard", "ReleasedStep", "TokenPath", "batch_view_of",
-                    "need_sampled_mask", "pipeline_groups", "strided_groups", "token_group",
-                    "token_group_among", "token_groups"),
+    "ppsync.core": ("BatchView", "FailureBoard", "ReleasedStep", "SampledStep", "TokenPath",
+                    "batch_view_of", "need_sampled_mask", "pipeline_groups", "strided_groups",
+                    "token_group", "token_group_among", "token_groups"),
     "ppsync.compat": ("PPHandler",),
     "ppsync.compat.vllm.aux_relay": ("AuxRelay",),
     "ppsync.services": ("BroadcastService", "Rank", "ReceiveService", "open_rank"),

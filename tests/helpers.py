@@ -30,7 +30,7 @@ async def engine_step(rank: Rank, loop: StepLoop, t: int) -> None:
         loop.released(t, await rank.take(loop.table))
     step = loop.schedule(t, rank.path)
     if rank.is_last:
-        await rank.publish(step.view, *outputs(step))
+        await rank.publish(step.view, outputs(step))
     else:
         await rank.post(step.view)
 
@@ -42,6 +42,6 @@ def sync_engine_step(path: TokenPath, loop: StepLoop, t: int) -> None:
         loop.released(t, path.consume(loop.table))
     step = loop.schedule(t, path)
     if path.is_last:
-        path.publish(step.view, *outputs(step))
+        path.publish(step.view, outputs(step))
     else:
         path.post(step.view)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-from collections.abc import Callable
 from pathlib import Path
 
 import ppsync
@@ -230,29 +229,12 @@ def test_the_vllm_adapter_never_asks_where_frames_live() -> None:
     assert asking == []
 
 
-def test_every_publish_takes_the_arguments_of_prepare() -> None:
-    """publish() is prepare() then send(): the token path's and the
-    services' each spell prepare's parameters out, and none drifts."""
-    import inspect
-
-    from ppsync.core import TokenPath
-    from ppsync.services import BroadcastService, Rank
-
-    def params(f: Callable[..., object]) -> list[tuple[str, object, object]]:
-        ps = list(inspect.signature(f).parameters.values())[1:]  # self
-        return [(p.name, p.kind, p.default) for p in ps]
-
-    want = params(TokenPath.prepare)
-    for publish in (TokenPath.publish, BroadcastService.publish, Rank.publish):
-        assert params(publish) == want, publish.__qualname__
-
-
 SHARED_FILE_NAMES = {
     "__init__.py": "a package's own module, in every package",
     "__main__.py": "`python -m` of its package (ppsync, ppsync.cli)",
-    "check.py": "an engine check's command: its cases and verdicts (vllm_check, sglang_check)",
-    "engine.py": "an engine check's child process, one engine run (vllm_check, sglang_check)",
-    "report.py": "an engine check's report of what it found (vllm_check, sglang_check)",
+    "check.py": "an engine check's command: its cases and verdicts (checks/vllm, checks/sglang)",
+    "engine.py": "an engine check's child process, one engine run (checks/vllm, checks/sglang)",
+    "report.py": "an engine check's report of what it found (checks/vllm, checks/sglang)",
     "plugin.py": "an engine's plugin entry point (compat/vllm, compat/sglang)",
 }
 """Module file names that occur more than once under ppsync/, each with the

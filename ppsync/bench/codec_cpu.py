@@ -112,8 +112,7 @@ def _step_calls(last: TokenPath, receiver: TokenPath, step: FixedStep
     """One engine step of the fixed batch: (last rank's publish, receiver's
     consume then post)."""
     def publish() -> object:
-        return last.publish(step.view, step.tokens, step.num_sampled, step.num_rejected,
-                            step.drafts)
+        return last.publish(step.view, step.sampled())
 
     def take_post() -> object:
         receiver.consume()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from anyio.abc import TaskStatus
 
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
 from ppsync.core.wire.transport import broadcast_async, wait_work
@@ -97,6 +98,11 @@ class FixedStep:
         tokens, ns, nr, counts = (t.to(device) for t in (self.tokens, self.num_sampled,
                                                          self.num_rejected, self.counts))
         return FixedStep(self.view, tokens, ns, nr, move(self.drafts), counts)
+
+    def sampled(self) -> SampledStep:
+        """The step's sampled rows as an engine hands them to publish: a
+        record built per step, at the edge, as an engine builds it."""
+        return SampledStep(self.tokens, self.num_sampled, self.num_rejected, self.drafts)
 
 
 def fixed_step(rows: int, num_drafts: int, *, seed: int = 0) -> FixedStep:

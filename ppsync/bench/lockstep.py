@@ -129,7 +129,7 @@ class _Lockstep:
         s = self.ctx.step
         t0, c0 = cpu_now(), self.clock.total()
         if self.ctx.is_last:
-            path.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
+            path.publish(s.view, s.sampled())
             cpu = cpu_now() - t0 - (self.clock.total() - c0)
             issued = path.last_issued()
             assert issued is not None
@@ -145,7 +145,7 @@ class _Lockstep:
     async def _async_step(self, rank: Rank) -> None:
         s = self.ctx.step
         if self.ctx.is_last:
-            await rank.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
+            await rank.publish(s.view, s.sampled())
             issued = rank.path.last_issued()
             assert issued is not None
             await await_work(issued[1], timeout_s=self.config.timeout_s,

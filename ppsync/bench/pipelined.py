@@ -187,7 +187,7 @@ def _ppsync_sync(c: _Chunk) -> None:
         c.compute()
         if ctx.is_last:
             t1, u0, k0 = now(), cpu_now(), clock.total()
-            path.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
+            path.publish(s.view, s.sampled())
             c.blocked[t] = now() - t1
             c.cpu[t] = cpu_now() - u0 - (clock.total() - k0)
     c.finish()
@@ -212,7 +212,7 @@ async def _ppsync_async(c: _Chunk, beat: Heartbeat) -> None:
             c.compute()
             if ctx.is_last:
                 t1 = now()
-                await rank.publish(s.view, s.tokens, s.num_sampled, s.num_rejected, s.drafts)
+                await rank.publish(s.view, s.sampled())
                 t2 = now()
                 c.blocked[t] = t2 - t1
                 c.windows.append((t1, t2))

@@ -18,7 +18,7 @@ from ppsync.core.wire.torch_support import TORCH_OLDEST  # noqa: F401
 from ppsync.core.codec import StepCodec
 from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep, PreparedStep
-from ppsync.core.frame import FrameView
+from ppsync.core.frame import FrameView, SampledStep
 from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.core.frame.numpy_frames import NumpyFrames
 from ppsync.core.path.generations import GenerationTable
@@ -51,6 +51,7 @@ __all__ = [
     "Platform",
     "PreparedStep",
     "ReleasedStep",
+    "SampledStep",
     "SlotRing",
     "StepCodec",
     "TokenPath",

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.board import FailureBoard
 from ppsync.harness import step_board
@@ -147,35 +148,41 @@ def skips_call(t: int, step: ScheduledStep) -> bool:
     return step.view.num_reqs == 0 and t % 2 == 0
 
 
-def outputs(step: ScheduledStep, device: torch.device | None = None) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The last rank's sampler outputs for ``step``, as the engine hands them
-    (on ``device``: where a GPU engine's sampler leaves them)."""
-    out = (
-        torch.from_numpy(step.tokens_np[:, : step.width]),
-        torch.from_numpy(step.num_sampled_np),
-        torch.from_numpy(step.num_rejected_np),
-        None if step.drafts_np is None else torch.from_numpy(step.drafts_np),
-    )
+def outputs(step: ScheduledStep, device: torch.device | None = None) -> SampledStep:
+    """The last rank's sampled rows for ``step``, as the engine hands them
+    (on ``device``: where a GPU engine's sampler leaves them): the record is
+    built here, at the engine's edge."""
+    drafts = None if step.drafts_np is None else torch.from_numpy(step.drafts_np)
+    out = SampledStep(torch.from_numpy(step.tokens_np[:, : step.width]),
+                      torch.from_numpy(step.num_sampled_np),
+                      torch.from_numpy(step.num_rejected_np), drafts)
     if device is None or device.type == "cpu":
         return out
-    tokens, ns, nr, drafts = (None if t is None else t.to(device) for t in out)
-    assert tokens is not None and ns is not None and nr is not None
-    return tokens, ns, nr, drafts
+    return SampledStep(out.tokens.to(device), out.num_sampled.to(device),
+                       out.num_rejected.to(device), None if drafts is None else drafts.to(device))
 
 
-def engine_owned(sampled: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-    """The sampler's outputs in tensors the engine owns and reuses (copies:
+def _tensors(sampled: SampledStep) -> tuple[torch.Tensor | None, ...]:
+    return sampled.tokens, sampled.num_sampled, sampled.num_rejected, sampled.drafts
+
+
+def engine_owned(sampled: SampledStep) -> SampledStep:
+    """The sampled rows in tensors the engine owns and reuses (copies:
     :func:`outputs` views the workload's own arrays)."""
-    return tuple(None if t is None else t.clone() for t in sampled)
+    drafts = sampled.drafts
+    return SampledStep(sampled.tokens.clone(), sampled.num_sampled.clone(),
+                       sampled.num_rejected.clone(), None if drafts is None else drafts.clone(),
+                       sampled.sample_width)
 
 
-def overwrite(sampled: tuple[torch.Tensor | None, ...]) -> None:
+def overwrite(sampled: SampledStep | None) -> None:
     """What an engine may do once publish returned: write its sampler's
     tensors in place (the next step's outputs, here values the checker would
     call corrupt and counts out of range). Publish owns what it sends
     (docs/design.md, "Own what you send"): receivers never see these."""
-    for t in sampled:
+    if sampled is None:
+        return
+    for t in _tensors(sampled):
         if t is not None:
             t.fill_(99 if t.dtype == torch.int32 else -5)
 
@@ -215,8 +222,8 @@ def engine_steps(loop: StepLoop, path: TokenPath,
         if skips_call(t, step):
             loop.sent(t, 0, spent)
             continue
-        sampled = engine_owned(outputs(step, device)) if is_last else ()
-        call: Call = ("publish", (step.view, *sampled)) if is_last else ("post", (step.view,))
+        sampled = engine_owned(outputs(step, device)) if is_last else None
+        call: Call = ("publish", (step.view, sampled)) if is_last else ("post", (step.view,))
         t0 = time.perf_counter_ns()
         needed = yield call
         assert isinstance(needed, int)

@@ -119,7 +119,7 @@ def _rank(pp_size: int, seconds: float, step_ms: float, env: RankEnv) -> dict[st
                 loop.released(t, path.consume(loop.table))
             step = loop.schedule(t, path)
             if path.is_last:
-                path.publish(step.view, *outputs(step))
+                path.publish(step.view, outputs(step))
             else:
                 path.post(step.view)
             t += 1

@@ -22,6 +22,7 @@ import torch
 from anyio.abc import TaskStatus
 
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.names import role_error
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
@@ -87,28 +88,18 @@ class BroadcastService(_Service):
     def __init__(self, path: TokenPath) -> None:
         super().__init__(path, last=True)
 
-    async def publish(
-        self,
-        view: BatchView,
-        sampled_token_ids: torch.Tensor,
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        draft_tokens: torch.Tensor | None = None,
-        *,
-        sample_width: int | None = None,
-    ) -> int:
-        """Broadcast one step (the arguments of TokenPath.prepare); return
-        once its frame is issued. Returns the rows needing a sample (0: no
-        transfer on any rank this step).
+    async def publish(self, view: BatchView, sampled: SampledStep) -> int:
+        """Broadcast one step (its batch view and sampled rows, as
+        TokenPath.prepare takes them); return once its frame is issued.
+        Returns the rows needing a sample (0: no transfer on any rank this
+        step).
 
         Bad input raises before anything is issued. Cancelled before the
         issue: nothing was sent and the step can be published again.
         After the issue nothing awaits an incomplete transfer, so the call
         completes."""
         await anyio.lowlevel.checkpoint()  # a step without a wait still yields
-        step, drafts = self.path.prepare(
-            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
-            sample_width=sample_width)
+        step, drafts = self.path.prepare(view, sampled)
         await self._before_issue()
         needed = self.path.send(step, drafts)
         self._record(step.view, needed, drafts is not None)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.codec.released import ReleasedStep
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.names import CallNames
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.recorder.writer import dumps_pending
@@ -74,20 +75,9 @@ class Rank:
         """Write this rank's flight record; see :meth:`TokenPath.dump`."""
         return self.path.dump(path)
 
-    async def publish(
-        self,
-        view: BatchView,
-        sampled_token_ids: torch.Tensor,
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        draft_tokens: torch.Tensor | None = None,
-        *,
-        sample_width: int | None = None,
-    ) -> int:
+    async def publish(self, view: BatchView, sampled: SampledStep) -> int:
         """Last rank: see :meth:`BroadcastService.publish`."""
-        return await self._service_for("publish", BroadcastService).publish(
-            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
-            sample_width=sample_width)
+        return await self._service_for("publish", BroadcastService).publish(view, sampled)
 
     async def post(self, view: BatchView) -> int:
         """Non-last ranks: see :meth:`ReceiveService.post`."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from helpers import decode_view
 
 from ppsync.cli import main
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import BatchError
@@ -31,12 +32,14 @@ def _rank(env: RankEnv) -> tuple[str, int]:
     message, released = "", -1
     if path.is_last:
         try:  # num_sampled 2 > the width 1 sent: rejected before any collective
-            path.publish(decode_view(IDX), torch.tensor([[7], [8]]),
-                         torch.full((2,), 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+            path.publish(decode_view(IDX), SampledStep(
+                torch.tensor([[7], [8]]), torch.full((2,), 2, dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32)))
         except BatchError as e:  # the message as raised; the dump named in a note
             message = "\n".join([str(e), *getattr(e, "__notes__", [])])
-        path.publish(decode_view(IDX), torch.tensor([[7], [8]]),
-                     torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+        path.publish(decode_view(IDX), SampledStep(
+            torch.tensor([[7], [8]]), torch.ones(2, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32)))
     else:
         path.consume()
         path.post(decode_view(IDX))

@@ -32,6 +32,7 @@ from rank_procs import RankProcs, free_port, rank_env
 from test_dump_faults import _run, _show
 
 from ppsync.cli import main
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
@@ -123,8 +124,9 @@ def _rebuilt_rank(env: RankEnv) -> None:
         path = TokenPath(config, group)
         for t in range(steps):
             if path.is_last:
-                path.publish(view, torch.tensor([[t]]), torch.ones(1, dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32))
+                path.publish(view, SampledStep(
+                    torch.tensor([[t]]), torch.ones(1, dtype=torch.int32),
+                    torch.zeros(1, dtype=torch.int32)))
             else:
                 path.consume()
                 path.post(view)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.cli import main
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.board import FailureBoard
@@ -82,9 +83,9 @@ def _view(t: int, rows: int = ROWS) -> BatchView:
     )
 
 
-def _outputs(t: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.full((rows, 1), t, dtype=torch.int64), torch.ones(rows, dtype=torch.int32),
-            torch.zeros(rows, dtype=torch.int32))
+def _outputs(t: int, rows: int) -> SampledStep:
+    return SampledStep(torch.full((rows, 1), t, dtype=torch.int64),
+                       torch.ones(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32))
 
 
 def _loop(case: Case, path: TokenPath, env: RankEnv, out: Path) -> None:
@@ -104,7 +105,7 @@ def _loop(case: Case, path: TokenPath, env: RankEnv, out: Path) -> None:
             continue  # this rank's step AT has no post: its seqs run one step behind
         rows = ROWS - 1 if victim and case == "desync" else ROWS
         if path.is_last:
-            path.publish(_view(t, rows), *_outputs(t, rows))
+            path.publish(_view(t, rows), _outputs(t, rows))
         else:
             path.post(_view(t, rows))
     path.close()
@@ -123,7 +124,7 @@ async def _async_kill_loop(group: dist.ProcessGroup, board: FailureBoard, env: R
             if not rank.is_last:
                 await rank.take()
             if rank.is_last:
-                await rank.publish(_view(t), *_outputs(t, ROWS))
+                await rank.publish(_view(t), _outputs(t, ROWS))
             else:
                 await rank.post(_view(t))
 

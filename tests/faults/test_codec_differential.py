@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ from fault_fuzz_inputs import Bad, collect, replace_field
 from twin_mode import Mode, check_engine_stream, mode_group
 
 from ppsync.compat.vllm import PPHandler
+from ppsync.core import SampledStep
 from ppsync.core.codec.device import DeviceCodec
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.core.path.token_path import TokenPath
@@ -258,9 +260,10 @@ def _rank(variant: dict[str, str], k: int, seed: int, env: RankEnv) -> Seen:
             first = _bad_publish(step, bad)
         for args in (first, valid):
             try:
-                prepared, drafts = path.prepare(args["view"], args["sampled_token_ids"],  # type: ignore[arg-type]
-                                                args["num_sampled"], args["num_rejected"],  # type: ignore[arg-type]
-                                                step.drafts, sample_width=step.width)
+                a: dict[str, Any] = args  # a bad value among them, as given
+                sampled = SampledStep[torch.Tensor](a["sampled_token_ids"], a["num_sampled"],
+                                                    a["num_rejected"], step.drafts, step.width)
+                prepared, drafts = path.prepare(args["view"], sampled)  # type: ignore[arg-type]
                 path.send(prepared, drafts)
                 break
             except PPSyncError as e:

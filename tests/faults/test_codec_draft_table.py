@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_codec_differential import MAX_NUM_REQS, VARIANTS, _variants, variant_path
 
+from ppsync.core import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.errors import PPSyncError
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -64,7 +65,8 @@ def _raising_rank(variant: dict[str, str], case: str, env: RankEnv
         bad[1] = 99
         for num_sampled in ((bad, ns) if case == "values" and t == BAD_STEP else (ns,)):
             try:
-                prepared, step_drafts = path.prepare(view, tokens, num_sampled, nr, drafts)
+                prepared, step_drafts = path.prepare(view, SampledStep(
+                    tokens, num_sampled, nr, drafts))
                 path.send(prepared, step_drafts)
                 break
             except PPSyncError:

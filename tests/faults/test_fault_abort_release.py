@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.completion import emulate
 from ppsync.core.wire.groups import token_group
@@ -50,8 +51,9 @@ def _rank(backend: str, out: Path, env: RankEnv) -> None:
     view = decode_view(IDX)
     if path.is_last:
         n = len(IDX)  # frame 0 is a real one
-        path.publish(view, torch.full((n, 1), 7, dtype=torch.int64),
-                     torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+        path.publish(view, SampledStep(
+            torch.full((n, 1), 7, dtype=torch.int64), torch.ones(n, dtype=torch.int32),
+            torch.zeros(n, dtype=torch.int32)))
         time.sleep(SILENT_S)  # frames 1 and 2 never come
         path.close(drain=False)
         return

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from fault_tools import watchdog, write_json
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
@@ -135,8 +136,8 @@ def _run(path: TokenPath, case: str, rank: int) -> tuple[int, int]:
     for t in range(STEPS):
         if path.is_last:
             n = len(_slots(t, case))
-            path.publish(_view(_slots(t, case), t), _tokens(t, n),
-                         torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+            path.publish(_view(_slots(t, case), t), SampledStep(
+                _tokens(t, n), torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)))
             continue
         diverged = rank == DIV and t >= DIVERGE_AT
         if diverged and case.startswith("skipped") and t == DIVERGE_AT:

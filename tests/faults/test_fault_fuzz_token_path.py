@@ -70,6 +70,7 @@ from fault_fuzz_inputs import Bad, collect, int_tensor, replace_field, uniform
 from fault_tools import watchdog
 from hypothesis import strategies as st
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.steps import PreparedStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
@@ -194,6 +195,13 @@ def bad_calls() -> st.SearchStrategy[BadCall]:
 # -- making the calls ------------------------------------------------------------------
 
 
+def _sampled(outs: dict[str, object], drafts: object = None) -> SampledStep:
+    """The engine's outputs (a bad value among them, as given) in the record
+    publish takes."""
+    return SampledStep(outs["sampled_token_ids"], outs["num_sampled"],  # type: ignore[arg-type]
+                       outs["num_rejected"], drafts)  # type: ignore[arg-type]
+
+
 def _make(path: TokenPath, call: BadCall) -> None:
     """Make ``call`` on ``path`` (every other argument valid)."""
     bad, arg = call.bad, call.arg
@@ -212,16 +220,16 @@ def _make(path: TokenPath, call: BadCall) -> None:
         path.post(view)
     elif call.entry in ("prepare", "publish"):
         entry = path.prepare if call.entry == "prepare" else path.publish
-        entry(view, draft_tokens=draft_tokens, **outs)  # type: ignore[arg-type]
+        entry(view, _sampled(outs, draft_tokens))
     elif call.entry == "send":
         step: PreparedStep
         if call.rank == LAST and arg != "step":
-            step, _ = path.prepare(BASE, **outs)  # type: ignore[arg-type]
+            step, _ = path.prepare(BASE, _sampled(outs))
         elif arg == "step":
             step = bad.value  # type: ignore[assignment]
         else:  # a receiver cannot prepare; a well-formed step all the same
-            step = PreparedStep(BASE, batch_facts(BASE, MAX_NUM_REQS), tokens(BASE_R).numpy(),
-                                np.array(NUM_SAMPLED), np.array(NUM_REJECTED))
+            step = PreparedStep(BASE, batch_facts(BASE, MAX_NUM_REQS), SampledStep(
+                tokens(BASE_R).numpy(), np.array(NUM_SAMPLED), np.array(NUM_REJECTED)))
         drafts_np = bad.value if arg == "drafts_np" else drafts(BASE_R)
         path.send(step, drafts_np)  # type: ignore[arg-type]
     elif call.entry == "consume":
@@ -249,7 +257,7 @@ HUGE = 2**62  # each count valid on its own; their sum overflows int64
 def _probes(path: TokenPath) -> list[Attempt]:
     out = []
     for label, value in (("float64", np.full((3, K), 0.5)), ("bool", np.ones((3, K), dtype=bool))):
-        step, _ = path.prepare(PREFILL, **outputs(BASE_R))  # type: ignore[arg-type]
+        step, _ = path.prepare(PREFILL, _sampled(outputs(BASE_R)))
         call = BadCall(LAST, "probe", "send", "drafts_np", "BatchError",
                        Bad("drafts", "dtype", f"{label} drafts_np, no transfer", value))
         out.append(attempt(call, functools.partial(path.send, step, value),
@@ -332,8 +340,7 @@ def _fuzz_rank(kernels: str, env: RankEnv) -> RankRun:
     for r, call in enumerate(schedule):
         if path.is_last:
             bad("before_publish", call)
-            sent.append(path.publish(_view(slots(r)), draft_tokens=_drafts(r),
-                                     **outputs(r)))  # type: ignore[arg-type]
+            sent.append(path.publish(_view(slots(r)), _sampled(outputs(r), _drafts(r))))
         else:
             bad("before_consume", call)
             releases += _check_release(path, table, r, wrong)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.completion import emulate, semantics
 from ppsync.core.wire.groups import token_group
@@ -69,8 +70,9 @@ def _rank(out: Path, stop: bool, env: RankEnv) -> None:
             return
         time.sleep(SLOW_S)  # alive (its watcher beats), slow
         n = 2
-        path.publish(decode_view([0, 1]), torch.arange(n, dtype=torch.int64).reshape(n, 1),
-                     torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+        path.publish(decode_view([0, 1]), SampledStep(
+            torch.arange(n, dtype=torch.int64).reshape(n, 1), torch.ones(n, dtype=torch.int32),
+            torch.zeros(n, dtype=torch.int32)))
         path.close()
         return
     assert path.consume() is None

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from helpers import decode_view, engine_step
 from twin_mode import Mode, in_mode, mode_group
 
+from ppsync.core import SampledStep
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import PeerLost
 from ppsync.harness.driver import Framework, StepLoop, workload_config
@@ -249,10 +250,9 @@ async def _retake(config: SyncConfig, group: dist.ProcessGroup) -> Retake | None
     async with open_rank(config, group) as rank:
         if rank.is_last:
             await anyio.sleep(LATE_S)
-            await rank.publish(
-                decode_view(IDX), torch.tensor([[41], [42]], dtype=torch.int64),
-                torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-            )
+            await rank.publish(decode_view(IDX), SampledStep(
+                torch.tensor([[41], [42]], dtype=torch.int64), torch.ones(n, dtype=torch.int32),
+                torch.zeros(n, dtype=torch.int32)))
             return None
         assert await rank.take() is None  # the ring starts empty (D = 1)
         await rank.post(decode_view(IDX))
@@ -299,8 +299,8 @@ async def _idle_loop(config: SyncConfig, group: dist.ProcessGroup) -> tuple[int,
     Returns (steps begun after the cancel, sibling beats during the loop)."""
     after_cancel, beats = 0, 0
     empty = decode_view([])
-    none_sampled = (torch.zeros((0, 1), dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
-                    torch.zeros(0, dtype=torch.int32))
+    none_sampled = SampledStep(torch.zeros((0, 1), dtype=torch.int64),
+                               torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
 
     async def sibling() -> None:
         nonlocal beats
@@ -317,7 +317,7 @@ async def _idle_loop(config: SyncConfig, group: dist.ProcessGroup) -> tuple[int,
                 tg.cancel_scope.cancel()
             after_cancel += t > CANCEL_AT
             if rank.is_last:
-                await rank.publish(empty, *none_sampled)
+                await rank.publish(empty, none_sampled)
             else:
                 await rank.take()
                 await rank.post(empty)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from helpers import decode_view
 from twin_mode import Mode, in_mode, mode_group
 
+from ppsync.core import SampledStep
 from ppsync.core.wire.groups import token_group
 from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -61,8 +62,8 @@ async def _outcome(label: str, call: Awaitable[object]) -> tuple[str, Outcome]:
 # -- role and input errors, before any collective ---------------------------------
 
 
-def _publish_args(n: int, *, num_sampled: int = 1) -> tuple[torch.Tensor, ...]:
-    return (
+def _publish_args(n: int, *, num_sampled: int = 1) -> SampledStep:
+    return SampledStep(
         torch.tensor([[500 + i] for i in range(n)], dtype=torch.int64),
         torch.full((n,), num_sampled, dtype=torch.int32),
         torch.zeros(n, dtype=torch.int32),
@@ -75,17 +76,17 @@ async def _last_rank_calls(rank: Rank) -> list[tuple[str, Outcome]]:
         await _outcome("post", rank.post(decode_view(IDX))),
         await _outcome("take", rank.take()),
         await _outcome("publish idx out of range",
-                       rank.publish(decode_view([IDX[0], MAX_NUM_REQS + 3]), *_publish_args(n))),
+                       rank.publish(decode_view([IDX[0], MAX_NUM_REQS + 3]), _publish_args(n))),
         await _outcome("publish num_sampled > w",
-                       rank.publish(decode_view(IDX), *_publish_args(n, num_sampled=2))),
-        await _outcome("publish", rank.publish(decode_view(IDX), *_publish_args(n))),
+                       rank.publish(decode_view(IDX), _publish_args(n, num_sampled=2))),
+        await _outcome("publish", rank.publish(decode_view(IDX), _publish_args(n))),
     ]
 
 
 async def _receiver_calls(rank: Rank) -> list[tuple[str, Outcome]]:
     n = len(IDX)
     out = [
-        await _outcome("publish", rank.publish(decode_view(IDX), *_publish_args(n))),
+        await _outcome("publish", rank.publish(decode_view(IDX), _publish_args(n))),
         await _outcome("take bad draft table", rank.take(torch.zeros(3, 2, dtype=torch.int64))),
         await _outcome("take", rank.take()),  # the ring starts with an empty slot
         await _outcome("post idx out of range", rank.post(decode_view([IDX[0], MAX_NUM_REQS + 3]))),

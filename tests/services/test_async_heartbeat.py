@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
+from ppsync.core import SampledStep
 from ppsync.core.wire.groups import token_group
 from ppsync.harness.driver import Framework
 from ppsync.harness.launcher import RankEnv, spawn_ranks
@@ -55,10 +56,9 @@ async def _last(config: SyncConfig, group: dist.ProcessGroup) -> list[Take]:
         for t in range(STEPS):
             if t == LATE:
                 await anyio.sleep(LATE_S)
-            await rank.publish(
-                decode_view(IDX), torch.tensor(_tokens(t, n), dtype=torch.int64).reshape(n, 1),
-                torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-            )
+            await rank.publish(decode_view(IDX), SampledStep(
+                torch.tensor(_tokens(t, n), dtype=torch.int64).reshape(n, 1),
+                torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)))
     return []
 
 

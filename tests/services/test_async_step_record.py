@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from ppsync.bench.common import fixed_step
+from ppsync.core import SampledStep
 from ppsync.core.wire.groups import token_group
 from ppsync.harness.launcher import RankEnv, spawn_ranks
 from ppsync.schemas.config import SyncConfig
@@ -32,8 +33,8 @@ def _rank(env: RankEnv) -> list[dict[str, object] | None]:
             for i in range(3):
                 drafts = step.drafts if i % 2 else None
                 if rank.is_last:
-                    await rank.publish(step.view, step.tokens, step.num_sampled,
-                                       step.num_rejected, drafts)
+                    await rank.publish(step.view, SampledStep(
+                        step.tokens, step.num_sampled, step.num_rejected, drafts))
                 else:
                     await rank.take()
                     await rank.post(step.view)

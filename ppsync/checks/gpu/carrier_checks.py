@@ -113,7 +113,7 @@ def host_path(plan: Plan, env: RankEnv, dev: torch.device, k: int) -> TokenPath:
 def path_step(path: TokenPath, step: FixedStep) -> bool:
     """One engine step's token-path calls; whether a frame was released."""
     if path.is_last:
-        path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected, step.drafts)
+        path.publish(step.view, step.sampled())
         return False
     released = path.consume()
     path.post(step.view)
@@ -209,8 +209,7 @@ def ratio_part(plan: Plan, env: RankEnv, dev: torch.device) -> Result:
             torch.mm(a, a, out=c)
             if with_path:
                 if path.is_last:
-                    path.publish(step.view, step.tokens, step.num_sampled, step.num_rejected,
-                                 step.drafts)
+                    path.publish(step.view, step.sampled())
                 else:
                     path.post(step.view)
             prev = _bound(dev, prev)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.checks.gpu.stream_checks import carrier_over, decode_view, device_of, long_kernel
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.completion import Completion, completion_for
 from ppsync.core.wire.groups import token_group
@@ -141,7 +142,7 @@ def exception_probe(backend: str, steps: int = 8) -> Result:
             ns = torch.full((4,), 3, dtype=torch.int32, device=dev)
             nr = torch.zeros(4, dtype=torch.int32, device=dev)
             for _ in range(steps):
-                path.publish(view, tokens, ns, nr)
+                path.publish(view, SampledStep(tokens, ns, nr))
             path.close()
         said = _outcome(work.exception)
     return {"torch": torch.__version__, "completed": completed, "exception": said,

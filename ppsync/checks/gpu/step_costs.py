@@ -98,8 +98,7 @@ def time_schemes(rows: int, spec: int, iters: int, device: str = "cuda:0") -> Ti
                                   carrier=carrier)
         with path_pair(config, dev) as (last, receiver):
             def publish() -> object:
-                return last.publish(step.view, step.tokens, step.num_sampled,
-                                    step.num_rejected, step.drafts)
+                return last.publish(step.view, step.sampled())
 
             def take_post() -> object:
                 receiver.consume()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.bench.codec_cpu import path_pair
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.backends import backend as backend_facts
@@ -156,7 +157,7 @@ def overwrite_rank(backend: str, steps: int, env: RankEnv) -> Result:
             long_kernel(dev, 0.05)  # the side stream, if it waits for main, is behind
             tokens.copy_(step_tokens(s, n, dev))  # the sampler's outputs, on main
             ns.fill_(3)
-            path.publish(view, tokens, ns, nr)
+            path.publish(view, SampledStep(tokens, ns, nr))
             tokens.fill_(SENTINEL_TOKEN)  # the engine reuses its buffers at once
             ns.fill_(1)
     else:
@@ -220,7 +221,7 @@ def variant_counts(kernels: str, device: str = "cuda:0", row_counts: tuple[int, 
             ns = torch.full((n,), 3, dtype=torch.int32, device=dev)
             nr = torch.zeros(n, dtype=torch.int32, device=dev)
             drafts = torch.zeros(n, 2, dtype=torch.int64, device=dev)
-            last.publish(view, tokens, ns, nr, drafts)
+            last.publish(view, SampledStep(tokens, ns, nr, drafts))
             receiver.post(view)
             out = receiver.consume()
             assert out is not None and out.num_reqs == n
@@ -256,7 +257,7 @@ def kill_rank(backend: str, timeout_s: float, kill_at: int, out_dir: str, env: R
                         torch.cuda.synchronize(dev)  # every frame so far went out
                     out.write_text(json.dumps({"rank": env.rank, "killed": time.monotonic()}))
                     os.kill(os.getpid(), signal.SIGKILL)
-                path.publish(view, tokens, ns, nr)
+                path.publish(view, SampledStep(tokens, ns, nr))
             else:
                 path.consume()
                 path.post(view)
@@ -310,9 +311,9 @@ def late_peer_async_rank(backend: str, late_s: float, env: RankEnv) -> Result:
         async with open_rank(config, group, device=dev) as rank:
             if rank.is_last:
                 await anyio.sleep(late_s)  # the late peer
-                await rank.publish(view, step_tokens(0, 8, dev),
-                                   torch.full((8,), 3, dtype=torch.int32, device=dev),
-                                   torch.zeros(8, dtype=torch.int32, device=dev))
+                await rank.publish(view, SampledStep(
+                    step_tokens(0, 8, dev), torch.full((8,), 3, dtype=torch.int32, device=dev),
+                    torch.zeros(8, dtype=torch.int32, device=dev)))
                 return
             assert await rank.take() is None
             t0 = time.perf_counter()  # before post(): a post that blocks counts too

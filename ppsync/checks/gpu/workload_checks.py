@@ -30,6 +30,7 @@ from ppsync.checks.gpu.stream_checks import (
     main_stream_work,
 )
 from ppsync.core.codec.device_kernels import triton_error
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import BatchError
@@ -124,11 +125,11 @@ def one_rank_rank(backend: str, env: RankEnv) -> Result:
     nr = torch.zeros(4, dtype=torch.int32, device=dev)
     found: list[str] = []
     with no_host_sync("error", found):
-        path.publish(view, tokens, ns, nr)
-        path.publish(view, tokens, ns + 2, nr)  # num_sampled 5 > w = 3: sent, flagged
+        path.publish(view, SampledStep(tokens, ns, nr))
+        path.publish(view, SampledStep(tokens, ns + 2, nr))  # num_sampled 5 > w = 3: sent, flagged
     _sync(dev)  # let the events complete: the next call reads the verdict
     try:
-        path.publish(view, tokens, ns, nr)
+        path.publish(view, SampledStep(tokens, ns, nr))
         deferred = "no BatchError at the next call"
     except BatchError as e:
         deferred = "" if "num_sampled[0] = 5 outside [0, w = 3]" in str(e) else str(e)
@@ -159,7 +160,7 @@ def timed_rank(iters: int, backend: str, env: RankEnv) -> Result:
 
     def fused() -> None:
         if path.is_last:
-            path.publish(view, tokens, ns, nr, drafts)
+            path.publish(view, SampledStep(tokens, ns, nr, drafts))
         else:
             path.post(view)
             path.consume()
@@ -200,8 +201,9 @@ def late_peer_rank(backend: str, late_s: float, env: RankEnv) -> Result:
     if path.is_last:
         time.sleep(late_s)  # the late peer
         tokens = torch.arange(24, device=dev, dtype=torch.int64).view(8, 3)
-        path.publish(view, tokens, torch.full((8,), 3, dtype=torch.int32, device=dev),
-                     torch.zeros(8, dtype=torch.int32, device=dev))
+        path.publish(view, SampledStep(
+            tokens, torch.full((8,), 3, dtype=torch.int32, device=dev),
+            torch.zeros(8, dtype=torch.int32, device=dev)))
         path.close()
         return {}
     assert path.consume() is None

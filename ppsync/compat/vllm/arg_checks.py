@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ppsync.core.codec.steps import PreparedStep
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import batch_view_of, validate_batch
 from ppsync.errors import BatchError, ProtocolError
 
@@ -88,22 +89,19 @@ def check_held_batch(held: PreparedStep, input_batch: object, max_num_reqs: int)
 def detached(step: PreparedStep) -> PreparedStep:
     """``step`` with its own copies of every array it sends: on CPU,
     ``prepare`` reads the caller's tensors without copying, and an engine may
-    refill those buffers before a held step is sent. The batch's facts are
-    the step's own already (``step.facts``), and ``send`` reads the view's
-    num_reqs only."""
-    def own(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a.copy()
-
-    outputs = step.outputs
-    if outputs is not None:  # device codec: clones on the current stream, no host read
-        outputs = (outputs[0].clone(), outputs[1].clone(), outputs[2].clone())
-    return dataclasses.replace(
-        step,
-        tokens_np=own(step.tokens_np),
-        num_sampled_np=own(step.num_sampled_np),
-        num_rejected_np=own(step.num_rejected_np),
-        outputs=outputs,
-    )
+    refill those buffers before a held step is sent (device codec: clones on
+    the current stream, no host read). The batch's facts are the step's own
+    already (``step.facts``), and ``send`` reads the view's num_reqs only."""
+    r = step.rows
+    if isinstance(r.tokens, np.ndarray):
+        assert isinstance(r.num_sampled, np.ndarray) and isinstance(r.num_rejected, np.ndarray)
+        rows: SampledStep[np.ndarray] | SampledStep[torch.Tensor] = SampledStep(
+            r.tokens.copy(), r.num_sampled.copy(), r.num_rejected.copy(), None, r.sample_width)
+    else:
+        assert isinstance(r.num_sampled, torch.Tensor) and isinstance(r.num_rejected, torch.Tensor)
+        rows = SampledStep(r.tokens.clone(), r.num_sampled.clone(), r.num_rejected.clone(), None,
+                           r.sample_width)
+    return dataclasses.replace(step, rows=rows)
 
 
 def rebuilt_like(output: T, merged: Mapping[str, torch.Tensor]) -> T:

@@ -51,6 +51,7 @@ from ppsync.compat.vllm.versions import (
 from ppsync.core.codec import StepDrafts, default_codec
 from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PreparedStep
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.names import CallNames
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
@@ -308,8 +309,9 @@ class PPHandler(AuxRelayCalls):
         """Check a step (all before any collective); send it, or with K > 0
         where the interface sends drafts, hold it for them."""
         self._flush_held()  # the previous step's drafts did not come
-        step, _ = self._path.prepare(view, sampled_token_ids, num_sampled, num_rejected,
-                                     sample_width=width)
+        # the record is built here, at the edge: vLLM's calls keep their shape
+        sampled = SampledStep(sampled_token_ids, num_sampled, num_rejected, None, width)
+        step, _ = self._path.prepare(view, sampled)
         if self.config.num_speculative_steps == 0 or not self.sends_drafts:
             self._path.send(step)
         else:

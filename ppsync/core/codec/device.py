@@ -65,6 +65,7 @@ from ppsync.core.frame.device_frames import (
 )
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView, Header
 from ppsync.core.frame.numpy_frames import NumpyFrames, drafts_desync
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.checks import (
     check_draft_table_meta,
@@ -215,21 +216,18 @@ class DeviceCodec:
                     self.carrier.give(u.wire, None)
 
     # -- last rank --------------------------------------------------------
-    def prepare(
-        self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
-        num_sampled: object, num_rejected: object, draft_tokens: object | None,
-        sample_width: int | None,
-    ) -> tuple[PreparedStep, torch.Tensor | None]:
+    def prepare(self, view: BatchView, facts: BatchFacts, sampled: SampledStep
+                ) -> tuple[PreparedStep, torch.Tensor | None]:
         """Dtypes, shapes and devices are checked here, before anything is
         issued; the values are checked on the device when the step is sent
         (a bad one raises at the next call)."""
-        outputs = check_sampled_meta(sampled_token_ids, num_sampled, num_rejected,
+        outputs = check_sampled_meta(sampled.tokens, sampled.num_sampled, sampled.num_rejected,
                                      num_reqs=view.num_reqs,
                                      sample_width=self.config.sample_width, device=self.device)
-        drafts = None if draft_tokens is None else self.check_drafts(draft_tokens, view.num_reqs)
-        check_width_fits(outputs[0].shape[1], sample_width)
-        step = PreparedStep(view, facts, None, None, None, sample_width, outputs)
-        return step, drafts
+        drafts = None if sampled.drafts is None else self.check_drafts(sampled.drafts,
+                                                                       view.num_reqs)
+        check_width_fits(outputs[0].shape[1], sampled.sample_width)
+        return PreparedStep(view, facts, SampledStep(*outputs, None, sampled.sample_width)), drafts
 
     def check_drafts(self, drafts: object, num_reqs: int) -> torch.Tensor:
         if isinstance(drafts, np.ndarray):
@@ -258,15 +256,17 @@ class DeviceCodec:
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
         """Pack and broadcast one step; returns (frame, work, host flags, 0):
         the checksum is on the device, and the host does not read it."""
-        if step.outputs is None:
+        r = step.rows
+        if not isinstance(r.tokens, torch.Tensor):
             raise BatchError("step was prepared for the host codec; this path uses the "
                              "device codec")
         assert not isinstance(drafts, np.ndarray)  # check_drafts returned a tensor
-        outputs = step.outputs
+        rows = r if drafts is None else SampledStep(r.tokens, r.num_sampled, r.num_rejected,
+                                                    drafts, r.sample_width)
         p, lay = self.platform, self.frames
         stage = self._host()
         flags = lay.flags(drafts is not None)
-        w = outputs[0].shape[1]
+        w = rows.tokens.shape[1]
         self.device_frames.stage(stage.np, frame, flags,
                                  value_bounds(w, lay.num_drafts, frame.width(lay)))
         # Own what is sent: the frame is packed on the stream that made the
@@ -276,8 +276,7 @@ class DeviceCodec:
         main = p.current_stream()
         buf = self.buffers.take(frame.num_reqs)
         self._stage_dev.copy_(stage.t, non_blocking=True)
-        self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, *outputs, drafts,
-                                 self._verdict_dev)
+        self.device_kernels.pack(buf, self._stage_dev, frame.num_reqs, rows, self._verdict_dev)
         stage.verdict.copy_(self._verdict_dev, non_blocking=True)
         # the verdict is ready once the current stream ran this far; it does
         # not wait for the transfer (whose end returns the buffer: reuse())

@@ -21,6 +21,7 @@ from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.checks import (
     check_draft_table,
@@ -51,17 +52,13 @@ class HostCodec:
     # -- last rank --------------------------------------------------------
 
     def prepare(
-        self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
-        num_sampled: object, num_rejected: object, draft_tokens: object | None,
-        sample_width: int | None,
+        self, view: BatchView, facts: BatchFacts, sampled: SampledStep,
     ) -> tuple[PreparedStep, np.ndarray | None]:
-        tokens_np, ns_np, nr_np = self.kernels.sampled(
-            sampled_token_ids, num_sampled, num_rejected, num_reqs=view.num_reqs,
-            step_width=sample_width)
-        drafts_np = None if draft_tokens is None else check_step_drafts(
-            draft_tokens, num_reqs=view.num_reqs, num_drafts=self.frames.num_drafts)
-        check_width_fits(tokens_np.shape[1], sample_width)
-        return PreparedStep(view, facts, tokens_np, ns_np, nr_np, sample_width), drafts_np
+        rows = self.kernels.sampled(sampled, num_reqs=view.num_reqs)
+        drafts_np = None if sampled.drafts is None else check_step_drafts(
+            sampled.drafts, num_reqs=view.num_reqs, num_drafts=self.frames.num_drafts)
+        check_width_fits(rows.tokens.shape[1], sampled.sample_width)
+        return PreparedStep(view, facts, rows), drafts_np
 
     def check_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
         check_drafts_array(drafts, num_reqs=num_reqs, num_drafts=self.frames.num_drafts)
@@ -82,14 +79,17 @@ class HostCodec:
 
     def send(self, frame: FrameView, step: PreparedStep, drafts: StepDrafts | None,
              issue: Issue) -> tuple[torch.Tensor, dist.Work, int, int]:
-        if step.tokens_np is None or step.num_sampled_np is None or (
-                step.num_rejected_np is None):
+        r = step.rows
+        if not isinstance(r.tokens, np.ndarray):
             raise BatchError("step was prepared for the device codec; this path uses "
                              "the host codec")
         assert not isinstance(drafts, torch.Tensor)  # check_drafts returned a host array
+        rows = r
+        if drafts is not None:
+            rows = SampledStep(rows.tokens, rows.num_sampled, rows.num_rejected, drafts,
+                               rows.sample_width)
         buf = self.buffers.take(frame.num_reqs)
-        flags, checksum = self.kernels.pack(buf.numpy(), frame, step.tokens_np,
-                                            step.num_sampled_np, step.num_rejected_np, drafts)
+        flags, checksum = self.kernels.pack(buf.numpy(), frame, rows)
         return buf, issue(buf), flags, checksum
 
     # -- receivers --------------------------------------------------------

@@ -24,6 +24,7 @@ from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import BufferPool, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.facts import BatchFacts
 from ppsync.core.wire.backends import carried_by
@@ -69,11 +70,10 @@ class StepCodec(Protocol):
         DesyncError. The host codec defers nothing."""
 
     def prepare(
-        self, view: BatchView, facts: BatchFacts, sampled_token_ids: object,
-        num_sampled: object, num_rejected: object, draft_tokens: object | None,
-        sample_width: int | None,
+        self, view: BatchView, facts: BatchFacts, sampled: SampledStep,
     ) -> tuple[PreparedStep, StepDrafts | None]:
-        """Check one step's sampler outputs and drafts (last rank)."""
+        """Check one step's sampled rows: its tokens, counts, drafts and
+        width (last rank)."""
 
     def check_drafts(self, drafts: object, num_reqs: int) -> StepDrafts:
         """Check drafts handed to send (the last rank): [num_reqs, K]."""

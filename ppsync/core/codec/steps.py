@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.core.frame import FrameView
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.facts import BatchFacts
 
@@ -36,9 +37,11 @@ class PreparedStep:
 
     view: BatchView
     facts: BatchFacts  # the view's checked facts and need mask (own copies)
-    tokens_np: np.ndarray | None  # [num_reqs, w] int; None with the device codec
-    num_sampled_np: np.ndarray | None  # [num_reqs] int; None with the device codec
-    num_rejected_np: np.ndarray | None  # [num_reqs] int; None with the device codec
-    sample_width: int | None = None  # the step's width w in the header; None = L
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    """The device codec's unread (tokens, num_sampled, num_rejected)."""
+    rows: SampledStep[np.ndarray] | SampledStep[torch.Tensor]
+    """The checked rows, drafts apart (send takes them): host arrays (host
+    codec) or the engine's unread tensors (device codec)."""
+
+    @property
+    def sample_width(self) -> int | None:
+        """The step's width w in the header; None = L."""
+        return self.rows.sample_width

@@ -82,7 +82,8 @@ class DeviceFrames:
         (field, row, value, rule) in a frame copied to the host."""
         lay = self.layout
         rows = lay.rows(frame_np, n)
-        err = value_error(rows[:, lay.col_num_sampled], rows[:, lay.col_num_rejected], w=w,
+        cols = lay.columns
+        err = value_error(rows[:, cols.num_sampled.offset], rows[:, cols.num_rejected.offset], w=w,
                           num_drafts=lay.num_drafts, step_width=step_width, prefix=prefix)
         if err is None:  # flagged by its sender, though in range for this rank's width
             return BatchError(f"{prefix}values its sender flagged out of range (FLAG_BAD_VALUES)")

@@ -7,7 +7,8 @@ Layout (int64 words)::
     rows    [R, W], W = L + 4 + K     tokens[L], num_sampled, num_rejected, drafts[K],
                                       slot_need, num_computed
 
-The row's columns are declared once, in order, in ``ROW_COLUMNS``;
+The row's columns are declared once, in order, in ``ROW_COLUMNS``
+(ppsync.core.frame.rows, beside the records that carry a step's rows);
 ``row_columns`` lays them out into a :class:`Columns` (each column's offset
 and width, and W), and every kernel set (numpy, numba, torch ops, Triton)
 reads its offsets from that object: none restates one. A declared column
@@ -48,6 +49,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from ppsync.core.frame import rows as declared
 from ppsync.schemas.config import SyncConfig
 
 FRAME_FORMAT_VERSION = 3
@@ -100,19 +102,6 @@ def slot_need_words(idx_np: np.ndarray, need_np: np.ndarray) -> np.ndarray:
     return words
 
 
-ROW_COLUMNS: tuple[tuple[str, int | str], ...] = (
-    ("tokens", "L"),  # the sampled tokens, -1 beyond the step's width w
-    ("num_sampled", 1),
-    ("num_rejected", 1),
-    ("drafts", "K"),  # -1 when the frame carries no drafts
-    ("slot_need", 1),  # 2 * idx + need
-    ("num_computed", 1),  # num_computed_tokens
-)
-"""A row's columns in order: (name, width in words: an int, or "L" / "K"
-for the sample width / the number of drafts). Adding a column is a line
-here (and a field of :class:`Columns` for the kernels to name it)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Column:
     """One column of a row: ``width`` words from word ``offset``."""
@@ -157,7 +146,7 @@ def row_columns(L: int, K: int) -> Columns:
     at = 0
     named: dict[str, Column] = {}
     spare: list[Column] = []
-    for name, width in ROW_COLUMNS:
+    for name, width in declared.ROW_COLUMNS:
         col = Column(at, width if isinstance(width, int) else sizes[width])
         if name in _NAMED:
             named[name] = col
@@ -212,12 +201,7 @@ class FrameLayout:
         self.max_num_reqs = config.max_num_reqs  # R in the fixed wire mode
         self.sample_width = L = config.sample_width
         self.num_drafts = K = config.num_speculative_steps
-        self.columns = cols = row_columns(L, K)
-        self.col_num_sampled = cols.num_sampled.offset
-        self.col_num_rejected = cols.num_rejected.offset
-        self.col_drafts = cols.drafts.offset  # drafts[K] start here
-        self.col_slot_need = cols.slot_need.offset
-        self.col_computed = cols.num_computed.offset
+        self.columns = cols = row_columns(L, K)  # every column's offset: none restated here
         self.row_width = cols.row_width  # W
         self.exact = config.wire == "exact"
         self.staging = Staging(self.max_num_reqs)
@@ -251,7 +235,7 @@ class FrameLayout:
 
     def drafts(self, rows: np.ndarray) -> np.ndarray:
         """[num_reqs, K] view of the draft columns of ``rows``."""
-        return rows[:, self.col_drafts : self.columns.drafts.end]
+        return rows[:, self.columns.drafts.offset : self.columns.drafts.end]
 
     def clear_spare(self, buf_np: np.ndarray, num_reqs: int) -> None:
         """Zero the spare columns of a host frame's used rows (none in the

@@ -63,20 +63,21 @@ class NumpyFrames(FrameLayout):
     ) -> tuple[int, int]:
         """Write one step into ``buf_np`` (inputs already validated); return
         the header's (flags, checksum)."""
-        n, tok = view.num_reqs, self.columns.tokens
+        cols = self.columns
+        n, tok = view.num_reqs, cols.tokens
         rows = self.rows(buf_np, n)
         w = tokens_np.shape[1]
         rows[:, tok.offset : tok.offset + w] = tokens_np
         if w < tok.width:
             rows[:, tok.offset + w : tok.end] = -1
-        rows[:, self.col_num_sampled] = num_sampled_np
-        rows[:, self.col_num_rejected] = num_rejected_np
+        rows[:, cols.num_sampled.offset] = num_sampled_np
+        rows[:, cols.num_rejected.offset] = num_rejected_np
         if self.num_drafts:
             self.drafts(rows)[:] = -1 if drafts_np is None else drafts_np
         flags = self.flags(self.num_drafts > 0 and drafts_np is not None)
         # two 1-D copies: cheaper than numpy's [n, 2] strided copy
-        rows[:, self.col_slot_need] = 0 if view.slot_need_np is None else view.slot_need_np
-        rows[:, self.col_computed] = 0 if view.computed_np is None else view.computed_np
+        rows[:, cols.slot_need.offset] = 0 if view.slot_need_np is None else view.slot_need_np
+        rows[:, cols.num_computed.offset] = 0 if view.computed_np is None else view.computed_np
         self.clear_spare(buf_np, n)
         # one C call, cheaper than numpy's tuple assignment: native int64
         # words, as the buffer's own
@@ -125,7 +126,8 @@ class NumpyFrames(FrameLayout):
         if view.facts_np is not None and not np.count_nonzero(
                 view.facts_np != rows[:, self.columns.facts].T):
             return  # the usual case, in two numpy calls (count_nonzero is cheaper than any)
-        theirs_sn, theirs_c = rows[:, self.col_slot_need], rows[:, self.col_computed]
+        cols = self.columns
+        theirs_sn, theirs_c = rows[:, cols.slot_need.offset], rows[:, cols.num_computed.offset]
         differs = (theirs_sn != view.slot_need_np) | (theirs_c != view.computed_np)
         if not differs.any():
             return

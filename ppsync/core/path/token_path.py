@@ -49,6 +49,7 @@ from ppsync.core.codec import StepDrafts
 from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep, PreparedStep
 from ppsync.core.frame.layout import FrameView
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.path.generations import GenerationTable
 from ppsync.core.path.group_end import GroupEnd
 from ppsync.core.path.names import TOKEN_PATH_NAMES, CallNames
@@ -104,20 +105,12 @@ class TokenPath(GroupEnd):
 
     @records_errors
     def prepare(
-        self,
-        view: BatchView,
-        sampled_token_ids: torch.Tensor,  # [num_reqs, w] int64, 1 <= w <= L
-        num_sampled: torch.Tensor,  # [num_reqs] int32
-        num_rejected: torch.Tensor,  # [num_reqs] int32
-        draft_tokens: torch.Tensor | None = None,  # [num_reqs, K] int64
-        *,
-        sample_width: int | None = None,
+        self, view: BatchView, sampled: SampledStep,
     ) -> tuple[PreparedStep, StepDrafts | None]:
-        """Check one step's batch view, sampler outputs and (optional) drafts
-        (last rank); nothing is sent. Returns the prepared step and its
-        drafts as the codec keeps them (host codec: a host array; device
-        codec: the tensor). ``sample_width``: this step's width w (1..L;
-        tokens at most w wide), for engines that vary it per step.
+        """Check one step's batch view and its sampled rows (last rank):
+        tokens, counts, the (optional) drafts and the step's width; nothing
+        is sent. Returns the prepared step and its drafts as the codec keeps
+        them (host codec: a host array; device codec: the tensor).
 
         Device codec: dtypes, shapes and the batch view are checked here; the
         values of num_sampled / num_rejected are checked on the device, and a
@@ -125,10 +118,11 @@ class TokenPath(GroupEnd):
         ppsync.core.codec.device)."""
         self.require_role(self.names.publish, last=True)
         self.codec.settle()  # a sent step's deferred verdict (device codec)
-        check_sample_width(sample_width, self.config.sample_width)
+        if not isinstance(sampled, SampledStep):
+            raise BatchError(f"sampled must be a SampledStep, got {type(sampled).__name__}")
+        check_sample_width(sampled.sample_width, self.config.sample_width)
         facts = self._batch_facts(view)
-        return self.codec.prepare(view, facts, sampled_token_ids, num_sampled, num_rejected,
-                                  draft_tokens, sample_width)
+        return self.codec.prepare(view, facts, sampled)
 
     @records_errors
     def send(self, step: PreparedStep, drafts: StepDrafts | None = None) -> int:
@@ -157,22 +151,11 @@ class TokenPath(GroupEnd):
         self._issued(work)
         return needed
 
-    def publish(
-        self,
-        view: BatchView,
-        sampled_token_ids: torch.Tensor,
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        draft_tokens: torch.Tensor | None = None,
-        *,
-        sample_width: int | None = None,
-    ) -> int:
+    def publish(self, view: BatchView, sampled: SampledStep) -> int:
         """Check and broadcast one step (last rank): :meth:`prepare` then
         :meth:`send`. Returns the rows needing a sample; 0 means the step had
         no transfer on any rank."""
-        return self.send(*self.prepare(
-            view, sampled_token_ids, num_sampled, num_rejected, draft_tokens,
-            sample_width=sample_width))
+        return self.send(*self.prepare(view, sampled))
 
     # -- receivers --------------------------------------------------------
 

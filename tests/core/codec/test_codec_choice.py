@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ppsync.cli.parser import parse
+from ppsync.core import SampledStep
 from ppsync.core.codec import DeviceCodec, HostCodec, StepCodec, codec_for, default_codec
 from ppsync.core.rules import BatchView, batch_facts
 from ppsync.core.wire.completion import HostCompleted, StreamOrdered
@@ -86,9 +87,9 @@ def test_both_codecs_apply_one_width_rule(width: int, sample_width: int | None,
     for name in ("host", "device"):
         codec = _codec(name)
         with pytest.raises(BatchError, match=match):
-            codec.prepare(view, batch_facts(view, 8), torch.zeros((n, width), dtype=torch.int64),
-                          torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-                          None, sample_width)
+            codec.prepare(view, batch_facts(view, 8), SampledStep(
+                torch.zeros((n, width), dtype=torch.int64), torch.ones(n, dtype=torch.int32),
+                torch.zeros(n, dtype=torch.int32), None, sample_width))
 
 
 def test_the_codec_default_is_decided_in_one_place() -> None:

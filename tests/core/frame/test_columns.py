@@ -1,4 +1,4 @@
-"""The row's columns have one source (ppsync.core.frame.layout.ROW_COLUMNS):
+"""The row's columns have one source (ppsync.core.frame.rows.ROW_COLUMNS):
 a column declared there moves every kernel set with it. A 1-wide spare
 column inserted before the tokens, the drafts or the facts shifts every
 later offset and W; the CPU kernels (numpy, numba) and the device kernels
@@ -22,10 +22,11 @@ from test_device_frames import KERNEL_SETS, kernel_set
 from test_device_frames import pack as device_pack
 from test_device_frames import release as device_release
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
 from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame import FrameView, slot_need_words
-from ppsync.core.frame import layout as layout_module
+from ppsync.core.frame import rows as rows_module
 from ppsync.core.frame.device_frames import DeviceFrames
 from ppsync.core.frame.layout import Column, Columns, row_columns
 from ppsync.core.frame.numpy_frames import NumpyFrames
@@ -53,10 +54,10 @@ def spare_before(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
                  real_columns: Columns) -> str:
     """ROW_COLUMNS with a 1-wide "spare" column before the named one."""
     before: str = request.param
-    order = list(layout_module.ROW_COLUMNS)
+    order = list(rows_module.ROW_COLUMNS)
     at = [name for name, _ in order].index(before)
     order.insert(at, ("spare", 1))
-    monkeypatch.setattr(layout_module, "ROW_COLUMNS", tuple(order))
+    monkeypatch.setattr(rows_module, "ROW_COLUMNS", tuple(order))
     return before
 
 
@@ -140,7 +141,7 @@ def test_cpu_kernels_follow_the_declared_columns(spare_before: str, kernels: str
     s = _step()
     view = _view(frames, s)
     buf = torch.full((frames.words(N),), 7, dtype=torch.int64)
-    ks.pack(buf.numpy(), view, s["tokens"], s["ns"], s["nr"], s["drafts"])
+    ks.pack(buf.numpy(), view, SampledStep(s["tokens"], s["ns"], s["nr"], s["drafts"]))
     table = torch.full((R, K), -5, dtype=torch.int64)
     head = PendingStep(view, s["need"], N, s["idx"].copy(), 0, buf.clone(), None,  # type: ignore[arg-type]
                        True)
@@ -173,3 +174,12 @@ def test_device_kernels_follow_the_declared_columns(spare_before: str, kernels: 
         "tokens": out.tokens.numpy(), "counts": out.counts.numpy(),
         "idx": out.idx_mapping.numpy(), "drafts": out.drafts.numpy()}, table.numpy())
 
+
+
+def test_the_sent_record_names_its_columns_as_declared() -> None:
+    """SampledStep's fields are the columns the sampler fills, in the order
+    and under the names ROW_COLUMNS gives them, then the step's width."""
+    declared = [name for name, _ in rows_module.ROW_COLUMNS]
+    sent = list(rows_module.SENT_COLUMNS)
+    assert [f.name for f in fields(SampledStep)] == [*sent, "sample_width"]
+    assert [name for name in declared if name in sent] == sent

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.device_kernels import (
     DeviceKernels,
     Outputs,
@@ -93,8 +94,9 @@ def pack(ks: DeviceKernels, dev: DeviceFrames, view: FrameView, flags: int,
     buf = dev.buffers.take(n)
     buf[:] = 7  # stale words from an earlier frame must not matter
     verdict = torch.zeros(1, dtype=torch.int64)
-    ks.pack(buf, staging, n, torch.from_numpy(tokens), torch.from_numpy(ns),
-            torch.from_numpy(nr), None if drafts is None else torch.from_numpy(drafts), verdict)
+    ks.pack(buf, staging, n, SampledStep(
+        torch.from_numpy(tokens), torch.from_numpy(ns), torch.from_numpy(nr),
+        None if drafts is None else torch.from_numpy(drafts)), verdict)
     return buf, int(verdict[0])
 
 
@@ -433,7 +435,8 @@ def test_both_kernel_sets_agree_on_every_frame_release_and_verdict(
                          view.sample_width)
     elif case["corrupt"] is not None:
         at = {"header": int(rng.integers(0, 7)), "checksum": 7,
-              "facts": HEADER_WORDS + int(rng.integers(n)) * host.row_width + host.col_computed,
+              "facts": HEADER_WORDS + int(rng.integers(n)) * host.row_width
+                       + host.columns.num_computed.offset,
               "payload": HEADER_WORDS + int(rng.integers(n * host.row_width))}[case["corrupt"]]
         buf[at] ^= 1 << int(rng.integers(0, 62))
     got = []

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.device_kernels import device_kernels_for, interpreting, triton_error
 from ppsync.core.frame import BufferPool, FrameView, slot_need_words
 from ppsync.core.frame.device_frames import V_NUM_SAMPLED, DeviceFrames
@@ -57,7 +58,7 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
     try:
         with p.use(side):
             stage_dev.copy_(staging, non_blocking=True)
-            ks.pack(buf, stage_dev, 3, tokens, ns, nr, drafts, verdict)
+            ks.pack(buf, stage_dev, 3, SampledStep(tokens, ns, nr, drafts), verdict)
             staging[-1:].copy_(verdict, non_blocking=True)
             event = p.record_event(side)
         p.wait_event(p.current_stream(), event)
@@ -67,5 +68,5 @@ def test_cuda_frame_equals_host_frame_without_a_host_sync(kernels: str) -> None:
     assert int(staging[-1]) == 0
     assert np.array_equal(buf.cpu().numpy(), hbuf.numpy())
     stage_dev.copy_(staging)
-    ks.pack(torch.zeros_like(buf), stage_dev, 3, tokens, ns + 3, nr, None, verdict)
+    ks.pack(torch.zeros_like(buf), stage_dev, 3, SampledStep(tokens, ns + 3, nr), verdict)
     assert int(verdict.cpu()[0]) == V_NUM_SAMPLED

@@ -31,8 +31,9 @@ def test_header_words_are_named_in_order() -> None:
 def test_columns_and_staging_regions_do_not_overlap() -> None:
     lay = FrameLayout(SyncConfig.build(pp_size=2, max_num_reqs=8, num_speculative_steps=3))
     L, K = lay.sample_width, lay.num_drafts
-    cols = [lay.col_num_sampled, lay.col_num_rejected, lay.col_drafts, lay.col_slot_need,
-            lay.col_computed]
+    c = lay.columns
+    cols = [c.num_sampled.offset, c.num_rejected.offset, c.drafts.offset, c.slot_need.offset,
+            c.num_computed.offset]
     assert cols == [L, L + 1, L + 2, L + 2 + K, L + 3 + K]
     assert lay.row_width == L + 4 + K
     at = Staging(8)

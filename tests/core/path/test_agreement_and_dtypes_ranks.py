@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ppsync.compat.vllm import PPHandler
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
@@ -77,8 +78,9 @@ def _need_rank(case: str, env: RankEnv) -> Ended:
         for t in range(400):  # the error comes at step 1; the rest bounds the run
             if path.is_last:
                 time.sleep(0.005)  # an engine's forward: the receiver reaches its check
-                path.publish(_view(idx, senders), torch.full((3, 1), 100 + t),
-                             torch.ones(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+                path.publish(_view(idx, senders), SampledStep(
+                    torch.full((3, 1), 100 + t), torch.ones(3, dtype=torch.int32),
+                    torch.zeros(3, dtype=torch.int32)))
             else:
                 path.consume()
                 path.post(_view(idx, mine))
@@ -121,8 +123,9 @@ def _dtype_rank(env: RankEnv) -> list[str]:
         try:
             if path.is_last:
                 n = idx.shape[0]
-                path.publish(_view(idx, [1] * n), torch.full((n, 1), 7),
-                             torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+                path.publish(_view(idx, [1] * n), SampledStep(
+                    torch.full((n, 1), 7), torch.ones(n, dtype=torch.int32),
+                    torch.zeros(n, dtype=torch.int32)))
             else:
                 path.consume()
                 path.post(_view(idx, [1] * idx.shape[0]))
@@ -133,8 +136,9 @@ def _dtype_rank(env: RankEnv) -> list[str]:
     # then a valid step: nothing was issued by the rejected calls
     good = np.array([299, 0], dtype=np.int16)
     if path.is_last:
-        path.publish(_view(good, [1, 1]), torch.tensor([[41], [42]]),
-                     torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+        path.publish(_view(good, [1, 1]), SampledStep(
+            torch.tensor([[41], [42]]), torch.ones(2, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32)))
     else:
         path.consume()
         path.post(_view(good, [1, 1]))

@@ -14,13 +14,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
@@ -88,7 +89,10 @@ def _publish(path: TokenPath, r: int, **bad: object) -> int:
         "draft_tokens": torch.from_numpy(_drafts_np(r)),
     }
     args.update(bad)
-    return path.publish(**args)  # type: ignore[arg-type]
+    a: dict[str, Any] = args  # bad values among them, as given
+    sampled = SampledStep[torch.Tensor](a["sampled_token_ids"], a["num_sampled"],
+                                        a["num_rejected"], a["draft_tokens"])
+    return path.publish(args["view"], sampled)  # type: ignore[arg-type]
 
 
 def _tok(rows: int, width: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from helpers import decode_view
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.groups import token_group
@@ -54,14 +55,14 @@ class Seen:
     released: list[int] = field(default_factory=list)  # seqs released intact
 
 
-def _outputs(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _outputs(t: int) -> SampledStep:
     tokens = torch.arange(N * L, dtype=torch.int64).view(N, L) + 100 * t
     ns = torch.full((N,), L, dtype=torch.int32)
     nr = torch.zeros(N, dtype=torch.int32)
     if t in BAD:
         name, row, value = BAD[t]
         (ns if name == "num_sampled" else nr)[row] = value
-    return tokens, ns, nr
+    return SampledStep(tokens, ns, nr)
 
 
 class LaggingEvent:
@@ -104,10 +105,10 @@ def _bad_values_rank(lag: bool, env: RankEnv) -> Seen:
             if t >= STEPS:
                 continue
             try:
-                path.publish(view, *_outputs(t))
+                path.publish(view, _outputs(t))
             except BatchError as e:
                 seen.errors[t] = str(e)
-                path.publish(view, *_outputs(t))  # nothing was sent: the step goes now
+                path.publish(view, _outputs(t))  # nothing was sent: the step goes now
             continue
         try:
             _consume(path, seen)

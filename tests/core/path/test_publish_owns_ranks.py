@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.device_kernels import triton_error
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
@@ -59,7 +60,7 @@ def _rank(kernels: str, carrier: str, env: RankEnv) -> list[list[list[int]]]:
             tokens.copy_(_tokens(t))
             num_sampled.fill_(K + 1)
             num_rejected.zero_()
-            path.publish(_view(), tokens, num_sampled, num_rejected)
+            path.publish(_view(), SampledStep(tokens, num_sampled, num_rejected))
             # at once: the engine writes the next step's values in place
             tokens.fill_(-5)
             num_sampled.fill_(99)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
 from ppsync.core.wire.groups import token_group
@@ -31,7 +32,7 @@ def _rank(env: RankEnv) -> list[list[int]]:
             tokens = torch.full((1, 3), 100 + t, dtype=torch.int64)
             ones = torch.ones(1, dtype=torch.int32)
             drafts = torch.full((1, 2), 200 + t, dtype=torch.int64)
-            path.publish(_view(t % 4), tokens, ones * 3, ones * 0, drafts)
+            path.publish(_view(t % 4), SampledStep(tokens, ones * 3, ones * 0, drafts))
         else:
             released = path.consume()
             if released is not None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from helpers import decode_view
 from twin_mode import Mode, check_engine_stream, in_mode, mode_group
 
+from ppsync.core import SampledStep
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.wire.groups import token_group
 from ppsync.errors import DesyncError
@@ -229,10 +230,9 @@ def _desync_rank(config: SyncConfig, env: RankEnv) -> list[Seen]:
     if path.is_last:
         for step, (idx, _) in enumerate(PLAN):
             n = len(idx)
-            sent = path.publish(
-                decode_view(idx), _tokens(step, n),
-                torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-            )
+            sent = path.publish(decode_view(idx), SampledStep(
+                _tokens(step, n), torch.ones(n, dtype=torch.int32),
+                torch.zeros(n, dtype=torch.int32)))
             out.append(Seen("sent", (sent,)))
         path.close()  # drains: returns only once every broadcast completed
         out.append(Seen("closed"))

@@ -19,6 +19,7 @@ from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.facts import BatchFacts
 from ppsync.errors import ConfigError
@@ -38,15 +39,14 @@ class CpuKernels(Protocol):
     def facts(self, view: BatchView) -> BatchFacts:
         """Check ``view`` and derive its facts, need mask and digest."""
 
-    def sampled(self, sampled_token_ids: object, num_sampled: object, num_rejected: object,
-                *, num_reqs: int, step_width: int | None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Check one step's sampler outputs (last rank); their host arrays."""
+    def sampled(self, sampled: SampledStep, *, num_reqs: int) -> SampledStep[np.ndarray]:
+        """Check one step's sampled rows but its drafts (last rank); the
+        record of their host arrays (drafts None)."""
 
-    def pack(self, buf_np: np.ndarray, frame: FrameView, tokens_np: np.ndarray,
-             ns_np: np.ndarray, nr_np: np.ndarray, drafts_np: np.ndarray | None
+    def pack(self, buf_np: np.ndarray, frame: FrameView, rows: SampledStep[np.ndarray]
              ) -> tuple[int, int]:
-        """Write one checked step into ``buf_np``; (flags, checksum)."""
+        """Write one checked step's rows (its drafts in ``rows.drafts``, or
+        None) into ``buf_np``; (flags, checksum)."""
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
                 table: torch.Tensor | None, rank: int) -> ReleasedStep:

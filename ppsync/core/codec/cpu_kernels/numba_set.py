@@ -22,6 +22,7 @@ from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FRAME_FORMAT_VERSION, MAGIC, FrameView, Header
 from ppsync.core.frame.numpy_frames import NumpyFrames
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.checks import sampled_arrays, value_bounds
 from ppsync.core.rules.facts import BatchFacts
@@ -69,12 +70,11 @@ class NumbaKernels(NumpyKernels):
             return super().facts(view)  # raises, naming the field and row
         return BatchFacts(block, need, needed, digest)
 
-    def sampled(self, sampled_token_ids: object, num_sampled: object, num_rejected: object,
-                *, num_reqs: int, step_width: int | None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sampled(self, sampled: SampledStep, *, num_reqs: int) -> SampledStep[np.ndarray]:
         f = self.frames
+        step_width = sampled.sample_width
         tokens_np, ns_np, nr_np = sampled_arrays(
-            sampled_token_ids, num_sampled, num_rejected, num_reqs=num_reqs,
+            sampled.tokens, sampled.num_sampled, sampled.num_rejected, num_reqs=num_reqs,
             sample_width=f.sample_width)
         max_ns, max_nr = value_bounds(tokens_np.shape[1], f.num_drafts, step_width)
         try:
@@ -82,30 +82,29 @@ class NumbaKernels(NumpyKernels):
         except TypeError:
             ok = False
         if ok:
-            return tokens_np, ns_np, nr_np
+            return SampledStep(tokens_np, ns_np, nr_np, None, step_width)
         self.fallbacks += 1
-        return super().sampled(sampled_token_ids, num_sampled, num_rejected,
-                               num_reqs=num_reqs, step_width=step_width)
+        return super().sampled(sampled, num_reqs=num_reqs)
 
-    def pack(self, buf_np: np.ndarray, frame: FrameView, tokens_np: np.ndarray,
-             ns_np: np.ndarray, nr_np: np.ndarray, drafts_np: np.ndarray | None
+    def pack(self, buf_np: np.ndarray, frame: FrameView, rows: SampledStep[np.ndarray]
              ) -> tuple[int, int]:
         f = self.frames
         if frame.facts_np is None:  # a raw benchmark frame
             self.fallbacks += 1
-            return super().pack(buf_np, frame, tokens_np, ns_np, nr_np, drafts_np)
+            return super().pack(buf_np, frame, rows)
+        drafts_np = rows.drafts
         has_drafts = f.num_drafts > 0 and drafts_np is not None
         flags = f.flags(has_drafts)
         _HEAD.pack_into(buf_np, 0, _MAGIC, frame.seq, frame.num_reqs,  # type: ignore[arg-type]
                         frame.width(f), f.num_drafts, flags, frame.idx_digest)
         f.clear_spare(buf_np, frame.num_reqs)
         try:
-            checksum = jit.pack(buf_np, tokens_np, ns_np, nr_np,
+            checksum = jit.pack(buf_np, rows.tokens, rows.num_sampled, rows.num_rejected,
                                 _NO_DRAFTS if drafts_np is None else drafts_np, has_drafts,
                                 frame.facts_np, self._cols, self._frame_w)
         except TypeError:
             self.fallbacks += 1
-            return super().pack(buf_np, frame, tokens_np, ns_np, nr_np, drafts_np)
+            return super().pack(buf_np, frame, rows)
         return flags, int(checksum)
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,

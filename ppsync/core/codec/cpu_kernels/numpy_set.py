@@ -15,6 +15,7 @@ from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FLAG_HAS_DRAFTS, FrameView
 from ppsync.core.frame.numpy_frames import NumpyFrames, drafts_desync
+from ppsync.core.frame.rows import SampledStep
 from ppsync.core.rules import BatchView
 from ppsync.core.rules.checks import check_sampled
 from ppsync.core.rules.facts import BatchFacts, batch_facts
@@ -35,20 +36,21 @@ class NumpyKernels:
             facts.digest = self.frames.facts_digest(facts.row_facts)
         return facts
 
-    def sampled(self, sampled_token_ids: object, num_sampled: object, num_rejected: object,
-                *, num_reqs: int, step_width: int | None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Check one step's sampler outputs (last rank); their host arrays."""
+    def sampled(self, sampled: SampledStep, *, num_reqs: int) -> SampledStep[np.ndarray]:
+        """Check one step's sampled rows but its drafts (last rank); the
+        record of their host arrays."""
         f = self.frames
-        return check_sampled(sampled_token_ids, num_sampled, num_rejected, num_reqs=num_reqs,
-                             sample_width=f.sample_width, num_drafts=f.num_drafts,
-                             step_width=step_width)
+        tokens_np, ns_np, nr_np = check_sampled(
+            sampled.tokens, sampled.num_sampled, sampled.num_rejected, num_reqs=num_reqs,
+            sample_width=f.sample_width, num_drafts=f.num_drafts,
+            step_width=sampled.sample_width)
+        return SampledStep(tokens_np, ns_np, nr_np, None, sampled.sample_width)
 
-    def pack(self, buf_np: np.ndarray, frame: FrameView, tokens_np: np.ndarray,
-             ns_np: np.ndarray, nr_np: np.ndarray, drafts_np: np.ndarray | None
+    def pack(self, buf_np: np.ndarray, frame: FrameView, rows: SampledStep[np.ndarray]
              ) -> tuple[int, int]:
-        """Write one checked step into ``buf_np``; (flags, checksum)."""
-        return self.frames.pack(buf_np, frame, tokens_np, ns_np, nr_np, drafts_np)
+        """Write one checked step's rows into ``buf_np``; (flags, checksum)."""
+        return self.frames.pack(buf_np, frame, rows.tokens, rows.num_sampled,
+                                rows.num_rejected, rows.drafts)
 
     def release(self, head: PendingStep, keep: np.ndarray, kept: int,
                 table: torch.Tensor | None, rank: int) -> ReleasedStep:

@@ -10,6 +10,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from ppsync.core.frame.rows import SampledStep
+
 TRITON_DEVICES = ("cuda", "xpu")
 """Devices Triton compiles for; on CPU tensors only its interpreter runs."""
 
@@ -30,10 +32,9 @@ class DeviceKernels(Protocol):
 
     name: Literal["torch", "triton"]
 
-    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, tokens: torch.Tensor,
-             num_sampled: torch.Tensor, num_rejected: torch.Tensor,
-             drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
-        """Write one step's frame into ``buf`` ([words] int64): tokens with
+    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, rows: SampledStep,
+             verdict: torch.Tensor) -> None:
+        """Write one step's ``rows`` into ``buf`` ([words] int64): tokens with
         -1 padding to L, counts, drafts (-1 without), the row facts and
         header from ``stage`` (the staging buffer's device copy), the
         checksum; FLAG_BAD_VALUES when a count lies outside the staged

@@ -32,6 +32,7 @@ from ppsync.core.frame.layout import (
     Header,
     Staging,
 )
+from ppsync.core.frame.rows import SampledStep
 
 _H_FLAGS, _H_CSUM = int(Header.FLAGS), int(Header.CHECKSUM)
 
@@ -99,12 +100,12 @@ class TorchKernels:
         """[] int64: the frame's checksum as its words are now."""
         return self._weighted(buf, n).sum()
 
-    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, tokens: torch.Tensor,
-             num_sampled: torch.Tensor, num_rejected: torch.Tensor,
-             drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
+    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, sampled: SampledStep,
+             verdict: torch.Tensor) -> None:
+        tokens, drafts = sampled.tokens, sampled.drafts
         L, K, w = self.L, self.K, tokens.shape[1]
         rows = self.layout.device_rows(buf, n)
-        counts = torch.stack((num_sampled, num_rejected), 1)
+        counts = torch.stack((sampled.num_sampled, sampled.num_rejected), 1)
         source = {"tokens": tokens, "counts": counts, "facts": self._facts(stage, n)}
         if K:
             source["drafts"] = self._neg1[:n, :K] if drafts is None else drafts

@@ -32,6 +32,7 @@ from ppsync.core.frame.layout import (
     Header,
     Staging,
 )
+from ppsync.core.frame.rows import SampledStep
 
 # the kernels write these bits as literals
 assert (V_NUM_SAMPLED, V_NUM_REJECTED, V_FRAME, V_FLAGGED, V_DRAFTS) == (1, 2, 4, 8, 16)
@@ -143,11 +144,10 @@ class TritonKernels:
                 {"HAND_DRAFTS": drafts is not None, "HAS_TABLE": use_table,
                  **self._common, **self._release})
 
-    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, tokens: torch.Tensor,
-             num_sampled: torch.Tensor, num_rejected: torch.Tensor,
-             drafts: torch.Tensor | None, verdict: torch.Tensor) -> None:
-        args, kw = self._pack_call(buf, stage, n, tokens, num_sampled, num_rejected, drafts,
-                                   verdict)
+    def pack(self, buf: torch.Tensor, stage: torch.Tensor, n: int, rows: SampledStep,
+             verdict: torch.Tensor) -> None:
+        args, kw = self._pack_call(buf, stage, n, rows.tokens, rows.num_sampled,
+                                   rows.num_rejected, rows.drafts, verdict)
         self.pack_kernel[(1,)](*args, **kw)
 
     def release(self, buf: torch.Tensor, stage: torch.Tensor, n: int,

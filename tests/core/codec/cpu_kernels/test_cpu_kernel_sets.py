@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.cpu_kernels import NumpyKernels, numba_error
 from ppsync.core.codec.steps import PendingStep
 from ppsync.core.frame.layout import FrameView
@@ -119,9 +120,10 @@ def test_numba_kernels_give_the_references_facts_frames_releases_and_errors(
         assert ff.digest == rf.digest  # type: ignore[attr-defined]
     # the last rank: the sampler outputs' checks
     n = view.num_reqs
-    args = (torch.from_numpy(s["tokens"]), torch.from_numpy(s["ns"]), torch.from_numpy(s["nr"]))
-    r_out = _outcome(ref.sampled, *args, num_reqs=n, step_width=s["width"])
-    f_out = _outcome(fast.sampled, *args, num_reqs=n, step_width=s["width"])
+    sampled = SampledStep(torch.from_numpy(s["tokens"]), torch.from_numpy(s["ns"]),
+                          torch.from_numpy(s["nr"]), None, s["width"])
+    r_out = _outcome(ref.sampled, sampled, num_reqs=n)
+    f_out = _outcome(fast.sampled, sampled, num_reqs=n)
     if r_out[0] != "ok" or f_out[0] != "ok":
         assert f_out == r_out
         return
@@ -133,8 +135,9 @@ def test_numba_kernels_give_the_references_facts_frames_releases_and_errors(
                       s["width"], facts.row_facts)  # type: ignore[attr-defined]
     words = ref.frames.words(n)
     bufs = [np.full(words, s["junk"], dtype=np.int64) for _ in range(2)]
-    r_pack = ref.pack(bufs[0], frame, s["tokens"], s["ns"], s["nr"], s["drafts"])
-    f_pack = fast.pack(bufs[1], frame, s["tokens"], s["ns"], s["nr"], s["drafts"])
+    rows = SampledStep[np.ndarray](s["tokens"], s["ns"], s["nr"], s["drafts"])
+    r_pack = ref.pack(bufs[0], frame, rows)
+    f_pack = fast.pack(bufs[1], frame, rows)
     assert f_pack == r_pack
     assert bufs[1].tolist() == bufs[0].tolist()
     # a receiver: the release, or the same error, from the same frame

@@ -25,6 +25,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
+from ppsync.core import SampledStep
 from ppsync.core.codec.device_kernels import Outputs
 from ppsync.core.codec.device_kernels.triton_set import TritonKernels
 from ppsync.core.frame.device_frames import DeviceFrames
@@ -94,9 +95,9 @@ def launches(ks: TritonKernels) -> Iterator[tuple[tuple[object, ...], Callable[[
                         for d_t in drafts:
                             d = None if d_t is None else view((n, K), d_t, off)
                             yield (("pack", K, ns_t, nr_t, d_t),
-                                   partial(ks.pack, buf, stage, n, tokens,
-                                           view((n,), ns_t, off), view((n,), nr_t, off), d,
-                                           verdict))
+                                   partial(ks.pack, buf, stage, n, SampledStep(
+                                           tokens, view((n,), ns_t, off),
+                                           view((n,), nr_t, off), d), verdict))
                 tables: tuple[torch.dtype | None, ...] = (None, *INTS)
                 for hand in (False, True) if K else (False,):
                     for tab_t in tables if hand else (None,):
