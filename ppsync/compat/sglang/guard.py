@@ -221,8 +221,18 @@ class SglangGuard:
             theirs = StepView.from_tuple(carried)
             check_views(mine, theirs, stage=self.stage, sender=self.prev_stage)
         except DesyncError as e:
-            raise self.failed(e, True) from None
+            raise self._raised(e) from None
         return mine
+
+    def _raised(self, err: PPSyncError) -> PPSyncError:
+        """The named failure for ``err``, raised to the scheduler by its own
+        call: the watcher, which ends the stage only for a failure the
+        scheduler cannot be told of (a wait it cannot leave), must not act
+        on it too, while it is named or after."""
+        with self.watcher.engine_call():
+            named = self.failed(err, True)
+            self.watcher.act_once(lambda: None)
+        return named
 
     # -- waits and failures -----------------------------------------------------
 
@@ -243,7 +253,7 @@ class SglangGuard:
         try:
             wait_work(work, timeout_s=self.options.timeout_s, what=what, peer=peer)
         except PPSyncError as e:
-            raise self.failed(e, True) from e
+            raise self._raised(e) from e
         finally:
             self.watcher.end(token)
             with self._lock:

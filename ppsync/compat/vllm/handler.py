@@ -49,9 +49,8 @@ from ppsync.compat.vllm.versions import (
     resolve_interface,
 )
 from ppsync.core.codec import StepDrafts, default_codec
-from ppsync.core.codec.released import ReleasedStep
 from ppsync.core.codec.steps import PreparedStep
-from ppsync.core.frame.rows import SampledStep
+from ppsync.core.frame.rows import ReleasedStep, SampledStep
 from ppsync.core.path.names import CallNames
 from ppsync.core.path.token_path import TokenPath
 from ppsync.core.rules import BatchView
