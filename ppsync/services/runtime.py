@@ -10,7 +10,7 @@ Engine loop (one task per rank, every rank in the same order)::
                 rank.free(slot)
             batch = schedule()                 # identical on every rank
             if rank.is_last:
-                await rank.publish(batch, tokens, num_sampled, num_rejected)
+                await rank.publish(batch, SampledStep(tokens, num_sampled, num_rejected))
             else:
                 await rank.post(batch)
 
