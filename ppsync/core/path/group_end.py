@@ -37,7 +37,7 @@ from ppsync.core.wire.platform import Platform, platform_for
 from ppsync.core.wire.rank_watch import RankWatcher
 from ppsync.core.wire.teardown import aborted_cause, keep_until_exit
 from ppsync.core.wire.transport import Broadcaster, TransportClock
-from ppsync.core.wire.waits import InFlight, Waits, wait_slices
+from ppsync.core.wire.waits import InFlight, Waits, slice_ended, wait_slices
 from ppsync.errors import (
     BatchError,
     ConfigError,
@@ -181,9 +181,9 @@ class GroupEnd:
                                          what=f"rank {self.rank}: configuration handshake",
                                          peer=None)
                     break
-                except SyncTimeout:
-                    if self.completion.ended(self.handshake.work):
-                        raise
+                except SyncTimeout as err:
+                    if slice_ended(self.completion, self.handshake.work, err):
+                        break
             self.run_id = self.handshake.finish()
         except SyncTimeout as e:
             self.watcher.stop()

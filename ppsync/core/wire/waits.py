@@ -120,9 +120,21 @@ def bounded_wait(work: dist.Work, what: str, *, timeout_s: float, completion: Co
         try:
             completion.wait(work, timeout_s=slice_s, what=what, peer=None)
             return
-        except SyncTimeout:
-            if completion.ended(work):
-                raise  # the work's own error (gloo's timeout, ...), as the backend words it
+        except SyncTimeout as err:
+            if slice_ended(completion, work, err):
+                return  # it ended well just after the slice's timeout
+
+
+def slice_ended(completion: Completion, work: dist.Work, err: SyncTimeout) -> bool:
+    """After a slice of a wait on ``work`` raised ``err``: False where only
+    the slice's time ran out (the wait goes on); True where the work ended
+    well meanwhile (its data arrived as the slice timed out); ``err`` raised
+    where the work ended badly (its own error: gloo's timeout, ...)."""
+    if not completion.ended(work):
+        return False
+    if completion.ended_well(work):
+        return True
+    raise err
 
 
 def named_failure(err: PPSyncError, board: FailureBoard | None, *, rank: int, settle: bool,
